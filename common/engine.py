@@ -1,0 +1,183 @@
+"""The engine interface every step implements, and what all steps share.
+
+    engine = SerialEngine.from_config(EngineConfig(model="smollm2-135m-instruct"))
+    rid = engine.add_request("The capital of France is", SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step():          # one scheduler iteration
+            print(out.new_text, end="")
+
+A step decides which requests run and how their KV cache is stored; that is `step()` and the `free_request`
+hook. Admission checks, prompt handling, abort, and `generate` are the same everywhere and live here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from common.loading import EMBEDDED_MODEL, LoadedModel, load_model
+from common.request import Completion, Request, RequestOutput
+from common.sampling import Sampler, SamplingParams
+
+Prompt = str | Sequence[int]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for even one generated token."""
+
+
+@dataclass
+class EngineConfig:
+    model: str = EMBEDDED_MODEL
+    device: str = "auto"  # auto: cuda if available, else cpu
+    dtype: str = "auto"  # auto: float32 on CPU (exact comparisons), bfloat16 on CUDA
+    max_num_seqs: int = 256  # most requests running at once
+    max_model_len: int | None = None  # context limit; default: the model's own
+    seed: int = 0  # for random weights (tiny-*, random:*)
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device().type == "cuda" else torch.float32
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of: auto, {', '.join(_DTYPES)}")
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """Take every field this config has from the parsed command line (subclasses get theirs too)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+class Engine(ABC):
+    config_class: type[EngineConfig] = EngineConfig
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = self.model.device
+        model_limit = self.model.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_limit, model_limit)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids | set(self.model.config.eos_token_ids))
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        loaded = load_model(config.model, config.resolved_device(), config.resolved_dtype(), config.seed)
+        return cls(loaded, config)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Engine:
+        return cls.from_config(cls.config_class.from_args(args))
+
+    # ----- the interface -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request. `prompt` is raw text (no chat template: see `Tokenizer.apply_chat_template`)
+        or token ids. Returns the request id. Raises ValueError for a prompt that cannot run."""
+        params = params or SamplingParams()
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self.check_prompt(prompt_ids)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request.create(
+            request_id, prompt_ids, params, self.tokenizer, self.eos_token_ids, self.max_model_len, priority
+        )
+        self.requests[request_id] = request
+        self.waiting.append(request)
+        return request_id
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len}, "
+                "with room needed for at least one new token: shorten the prompt"
+            )
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration: admit, run one forward (or several), sample, and report."""
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request and free everything it holds. Unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish(request)
+        return request.abort()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+        """Run prompts to completion; results come back in prompt order."""
+        per_prompt = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        requests = [self.requests[i] for i in ids]
+        while self.has_unfinished():
+            self.step()
+        return [
+            Completion(r.request_id, r.prompt_token_ids, r.output_token_ids, r.text, r.finish_reason)
+            for r in requests
+        ]
+
+    # ----- shared by the steps -----------------------------------------------------------------------
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """One token per request from logits [len(requests), vocab]; the one host sync of a step."""
+        token_ids = self.sampler(logits, [r.params for r in requests], [len(r.output_token_ids) for r in requests])
+        return token_ids.tolist()
+
+    def process_tokens(self, requests: Sequence[Request], token_ids: Sequence[int]) -> list[RequestOutput]:
+        """Append each sampled token; retire the requests that finished."""
+        outputs = []
+        for request, token_id in zip(requests, token_ids, strict=True):
+            out = request.append_token(token_id)
+            if out.finished:
+                self.finish(request)
+            outputs.append(out)
+        return outputs
+
+    def finish(self, request: Request) -> None:
+        """Remove a request from the scheduler and free its KV cache."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.free_request(request)
+        self.requests.pop(request.request_id, None)
+
+    @abstractmethod
+    def free_request(self, request: Request) -> None:
+        """Release whatever KV cache the request holds (it may hold none yet); called once per request."""

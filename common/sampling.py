@@ -1,0 +1,118 @@
+"""Choosing the next token for a whole batch at once, on the device.
+
+Greedy rows take the argmax. Sampled rows scale by temperature, cut to top-k and top-p, and then use the
+Gumbel-max trick: argmax(logits + Gumbel noise) is a draw from softmax(logits). The noise is not taken from a
+global random generator: it is a hash of (request seed, output position, vocabulary index), computed for
+all rows in one pass. So every request has its own seed, the batch stays one set of device ops, and a
+request's n-th token is the same whichever other requests share its batch, and when it is recomputed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+_seed_source = random.SystemRandom()
+
+
+@dataclass
+class SamplingParams:
+    """How to generate for one request. The default is greedy decoding of up to 16 tokens."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None  # None: a fresh random seed per request
+    stop: list[str] = field(default_factory=list)  # the stop text itself is not part of the output
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks want fixed lengths)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if self.seed is None:
+            self.seed = _seed_source.randrange(2**31)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x < 2**32, without overflowing int64: multiply in two 16-bit halves."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with good avalanche (the "lowbias32" constants)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [rows, vocab], a pure function of each row's seed and output position."""
+    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    row_key = _mix32((_mix32(seeds & _MASK32) ^ (positions & _MASK32)) & _MASK32)
+    bits = _mix32(row_key[:, None] ^ vocab[None, :])
+    uniform = ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 random bits, strictly inside (0, 1)
+    return -torch.log(-torch.log(uniform))
+
+
+class Sampler:
+    """Samples one token per row of a logits batch for the given per-row parameters."""
+
+    def __call__(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_positions: Sequence[int]
+    ) -> torch.Tensor:
+        """logits: [rows, vocab] float32. Returns token ids [rows] (int64, on the logits' device)."""
+        greedy_ids = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy_ids
+        device = logits.device
+        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        scaled = logits / temperature[:, None]
+        if any(p.top_k or p.top_p < 1 for p in params):
+            scaled = self._top_k_top_p(scaled, params)
+        seeds = torch.tensor([p.seed for p in params], device=device, dtype=torch.int64)
+        positions = torch.tensor(list(output_positions), device=device, dtype=torch.int64)
+        sampled_ids = (scaled + gumbel_noise(seeds, positions, logits.shape[-1])).argmax(dim=-1)
+        is_greedy = torch.tensor([p.greedy for p in params], device=device)
+        return torch.where(is_greedy, greedy_ids, sampled_ids)
+
+    @staticmethod
+    def _top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Set every logit outside each row's top-k and top-p nucleus to -inf."""
+        vocab = scaled.shape[-1]
+        device = scaled.device
+        top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=device)
+        probs = sorted_logits.softmax(dim=-1)
+        # A token stays if the probability mass strictly before it is below top_p: the first always stays.
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = (rank[None, :] >= top_k[:, None]) | (mass_before >= top_p[:, None])
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
