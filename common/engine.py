@@ -147,10 +147,7 @@ class Engine(ABC):
         requests = [self.requests[i] for i in ids]
         while self.has_unfinished():
             self.step()
-        return [
-            Completion(r.request_id, r.prompt_token_ids, r.output_token_ids, r.text, r.finish_reason)
-            for r in requests
-        ]
+        return [r.to_completion() for r in requests]
 
     # ----- shared by the steps -----------------------------------------------------------------------
 

@@ -98,7 +98,10 @@ def resolve_checkpoint_dir(name: str) -> Path:
         if not path.is_dir() or not (path / "config.json").is_file():
             raise ModelLoadError(f"{name} is not a model folder: expected config.json and *.safetensors in it")
         return path
-    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1
+    if looks_like_path:
+        raise ModelLoadError(f"model folder {name} does not exist: check the path, or pass {model_names_help()}")
+    if name.count("/") == 1:
         return download_from_hub(name)
     raise ModelLoadError(f"unknown model {name!r}: pass {model_names_help()}")
 
@@ -238,6 +241,7 @@ def embedded_model_dir() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary folder and rename it: an interrupted conversion never leaves a half folder.
     staging = Path(tempfile.mkdtemp(prefix=EMBEDDED_MODEL, dir=target.parent))
+    staging.chmod(0o755)
     hf_model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     try:
@@ -254,5 +258,9 @@ def embedded_tokenizer() -> Tokenizer:
     """The embedded model's tokenizer, shared by the tiny and random models (their vocab covers it)."""
     global _embedded_tokenizer
     if _embedded_tokenizer is None:
-        _embedded_tokenizer = Tokenizer.from_dir(embedded_model_dir(), eos_token_ids=(2,))
+        folder = cache_dir() / EMBEDDED_MODEL
+        # The tokenizer files alone are enough here: a GPU machine without the package can carry just them.
+        if not (folder / "tokenizer.json").is_file():
+            folder = embedded_model_dir()
+        _embedded_tokenizer = Tokenizer.from_dir(folder, eos_token_ids=(2,))
     return _embedded_tokenizer

@@ -103,6 +103,10 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def to_completion(self) -> Completion:
+        assert self.finish_reason is not None, "only a finished request has a completion"
+        return Completion(self.request_id, self.prompt_token_ids, self.output_token_ids, self.text, self.finish_reason)
+
     def append_token(self, token_id: int) -> RequestOutput:
         """Record one sampled token and return what becomes visible to the caller."""
         self.output_token_ids.append(token_id)

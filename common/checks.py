@@ -1,0 +1,43 @@
+"""Correctness checks shared by every step's dry run, default run and tests.
+
+A step is checked by its outputs: greedy generations compared token for token with Hugging Face
+`generate()` on the same weights, with requests that arrive while others are already decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.engine import Engine
+from common.reference import ParityReport, compare_greedy, hf_model_for, reference_greedy
+from common.request import Completion
+from common.sampling import SamplingParams
+
+
+def staggered_generate(
+    engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams, arrive_every: int = 2
+) -> list[Completion]:
+    """Like `generate`, but request i is added only after `i * arrive_every` steps have run,
+    so later requests join while earlier ones are mid-decode (continuous batching's hard case)."""
+    requests = []
+    pending = list(enumerate(prompts))
+    steps = 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] * arrive_every <= steps:
+            request_id = engine.add_request(pending.pop(0)[1], params)
+            requests.append(engine.requests[request_id])
+        engine.step()
+        steps += 1
+    return [r.to_completion() for r in requests]
+
+
+def check_against_reference(
+    engine: Engine, prompts: Sequence[Sequence[int]], completions: Sequence[Completion], max_tokens: int
+) -> list[ParityReport]:
+    """Compare each greedy completion with HF generate() on the same weights, prompt by prompt."""
+    hf = hf_model_for(engine.loaded)
+    reports = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        theirs = reference_greedy(hf, prompt, max_tokens, engine.eos_token_ids)
+        reports.append(compare_greedy(hf, prompt, completion.token_ids, theirs))
+    return reports

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Everything the GPU machine checks and measures, in one call (see ../README.md, "On a GPU").
+# Runs from the repository root with PYTHONPATH=. and no install; writes evidence under $OUT.
+# The random:* models need only the embedded model's tokenizer files: carry them in .gpucache/
+# (made by scripts/prepare_gpu_cache.sh) and point LLM_STEPS_CACHE there.
+set -euo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1 LLM_STEPS_CACHE="${LLM_STEPS_CACHE:-.gpucache}"
+OUT="${OUT:-results/gpu}"
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+
+echo "== step01: greedy parity with HF generate() on CUDA, tiny models, fp32"
+python step01_serial/run.py --dry-run --device cuda 2>&1 | tee "$OUT/step01-dry-run-cuda.txt"
+
+echo "== step01 vs HF generate(): random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
+python step01_serial/run.py --bench --model random:qwen2.5-7b --device cuda --dtype bfloat16 \
+  --batch-sizes 1,8 --max-tokens 128 --repeats 3 --bench-output "$OUT/step01-bench-cuda-random-qwen2.5-7b.json"

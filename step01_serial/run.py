@@ -1,0 +1,13 @@
+"""Step 01: serial decode, one forward per request per step, each request with its own contiguous KV cache.
+
+Examples:
+    python step01_serial/run.py --dry-run
+    python step01_serial/run.py                       # embedded SmolLM2-135M, checked against HF generate()
+    python step01_serial/run.py --bench               # step01 vs HF generate() at batch 1, 4, 8
+"""
+
+from common.cli import main
+from step01_serial.engine import SerialEngine
+
+if __name__ == "__main__":
+    raise SystemExit(main(SerialEngine, "step01_serial", __doc__))

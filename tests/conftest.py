@@ -1,0 +1,38 @@
+"""Shared fixtures: the embedded model, its transformers oracle, the tokenizer, and the tiny models.
+
+Everything here is session-scoped and read-only: a test must never change a model's weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import PreTrainedModel
+
+from common.config import TINY_ARCHES
+from common.loading import LoadedModel, embedded_tokenizer, load_model
+from common.reference import hf_model_for
+from common.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="session")
+def embedded() -> LoadedModel:
+    """The real SmolLM2-135M-Instruct, float32 on the CPU, loaded once per session."""
+    return load_model("smollm2-135m-instruct", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def embedded_hf(embedded: LoadedModel) -> PreTrainedModel:
+    """transformers' own model, loaded by transformers from the same checkpoint folder."""
+    return hf_model_for(embedded)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    """The embedded model's tokenizer (also the tiny models' tokenizer)."""
+    return embedded_tokenizer()
+
+
+@pytest.fixture(scope="session", params=[f"tiny-{arch}" for arch in TINY_ARCHES])
+def tiny(request: pytest.FixtureRequest) -> LoadedModel:
+    """Each tiny seeded-random model in turn: tiny-llama, tiny-qwen2, tiny-qwen3."""
+    return load_model(request.param, device="cpu")
