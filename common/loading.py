@@ -85,7 +85,7 @@ def load_model(
         return LoadedModel(name, random_model(config, device, dtype, seed), embedded_tokenizer(), None)
     folder = resolve_checkpoint_dir(name)
     config = read_config(folder)
-    tokenizer = Tokenizer.from_dir(folder, config.eos_token_ids)
+    tokenizer = read_tokenizer(folder, config)
     return LoadedModel(name, load_checkpoint(folder, config, device, dtype), tokenizer, folder)
 
 
@@ -123,16 +123,34 @@ def download_from_hub(repo_id: str) -> Path:
 
 
 def read_config(folder: Path) -> ModelConfig:
-    hf_config = json.loads((folder / "config.json").read_text())
-    generation = folder / "generation_config.json"
-    if generation.is_file():  # chat models often list their end-of-turn token only here
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        if eos is not None:
-            hf_config["eos_token_id"] = eos
     try:
+        hf_config = json.loads((folder / "config.json").read_text())
+        generation = folder / "generation_config.json"
+        if generation.is_file():  # chat models often list their end-of-turn token only here
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+            if eos is not None:
+                hf_config["eos_token_id"] = eos
         return ModelConfig.from_hf(hf_config)
+    except json.JSONDecodeError as err:
+        raise ModelLoadError(f"{folder}: config.json is not valid JSON ({err})") from None
+    except KeyError as err:
+        raise ModelLoadError(f"{folder}: config.json lacks the field {err}") from None
     except ValueError as err:
         raise ModelLoadError(f"{folder}: {err}") from None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def read_tokenizer(folder: Path, config: ModelConfig) -> Tokenizer:
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{folder} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}): copy them from the original model"
+        )
+    try:
+        return Tokenizer.from_dir(folder, config.eos_token_ids)
+    except (ValueError, OSError) as err:
+        raise ModelLoadError(f"{folder}: the tokenizer does not load ({err})") from None
 
 
 def build_on_meta(config: ModelConfig) -> CausalLM:

@@ -67,13 +67,16 @@ class RotaryEmbedding:
         self.cos = angles.cos()
         self.sin = angles.sin()
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x: [tokens, heads, head_dim] by each token's position."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token, [tokens, 1, head_dim]: looked up once per forward, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x: [tokens, heads, head_dim] by the angles of each token's position."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -93,14 +96,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, ctx.positions), rope.apply(k, ctx.positions)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = ctx.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -124,7 +127,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -167,8 +170,9 @@ class CausalLM(nn.Module):
         """Hidden states after the final norm, one row per input token: [num_tokens, hidden_size]."""
         assert self.rope is not None, "call prepare(device) after loading the weights"
         x = self.model.embed_tokens(input_ids)
+        rope = self.rope.lookup(ctx.positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, ctx, self.rope)
+            x = layer(x, ctx, rope)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,9 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     row_key = _mix32((_mix32(seeds & _MASK32) ^ (positions & _MASK32)) & _MASK32)
     bits = _mix32(row_key[:, None] ^ vocab[None, :])
-    uniform = ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 random bits, strictly inside (0, 1)
+    # 23 random bits: (k + 0.5) / 2**23 is exact in float32, so uniform is strictly inside (0, 1) and the
+    # noise is finite (with 24 bits the largest value rounds up to 1.0 and the noise becomes +inf).
+    uniform = ((bits >> 9).float() + 0.5) / float(1 << 23)
     return -torch.log(-torch.log(uniform))
 
 

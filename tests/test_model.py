@@ -13,6 +13,7 @@ from transformers import PreTrainedModel
 
 from common.loading import LoadedModel
 from common.reference import hf_model_for, reference_logits
+from common.tokenizer import Tokenizer
 from step01_serial.kv_cache import ContiguousForward, ContiguousKVCache
 
 # Multi-byte text (CJK, emoji, accents, Cyrillic) so that byte-fallback tokens are in the prompt.
@@ -53,7 +54,7 @@ def full_prefill(loaded: LoadedModel, token_ids: list[int]) -> torch.Tensor:
     return forward_chunks(loaded, token_ids, [len(token_ids)])
 
 
-def test_prompt_has_multibyte_tokens(tokenizer) -> None:
+def test_prompt_has_multibyte_tokens(tokenizer: Tokenizer) -> None:
     """The parity prompt really exercises byte-fallback: some single tokens decode to partial characters."""
     ids = tokenizer.encode(PROMPT)
     assert any("\ufffd" in tokenizer.decode([i]) for i in ids)

@@ -147,10 +147,14 @@ def test_sampled_distribution_matches_softmax(temperature: float) -> None:
     assert (freq - expected).abs().max().item() < 0.015, (freq, expected)
 
 
+# Regression: gumbel_noise once built `uniform` from 24 bits in float32, where (2**24 - 1) + 0.5 rounds to 2**24,
+# so one hash value in 2**24 gave uniform == 1.0 and +inf noise: that token won whatever its logit (NaN after a
+# -inf top-k/top-p cut, which argmax also picks), about 0.3% of draws over a 49152-token vocabulary.
+
+
 def test_gumbel_noise_is_finite_for_all_hash_values() -> None:
     """Noise for the largest 24-bit hash value must be finite (uniform strictly below 1)."""
-    # (seed 8, position 8, vocab index 768) hashes to bits >> 8 == 2**24 - 1; in float32, 2**24 - 1 + 0.5
-    # rounds up to 2**24, so uniform == 1.0 and the noise is -log(-log(1)) == +inf.
+    # (seed 8, position 29, vocab index 768) hashes to the largest value: it once gave uniform == 1.0.
     noise = gumbel_noise(torch.tensor([8]), torch.tensor([29]), 1000)
     assert torch.isfinite(noise).all(), f"infinite noise at vocab index {torch.isinf(noise).nonzero()[:, 1].tolist()}"
 
