@@ -126,6 +126,8 @@ def run_prompts(engine_class: type[Engine], args: argparse.Namespace) -> int:
         print(f"\n>>> {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason.value}]")
     total = sum(len(c.token_ids) for c in completions)
     print(f"\n{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tok/s ({len(prompts)} prompts together)")
+    if engine.memory_report():
+        print(engine.memory_report())
     if args.output_json:
         rows = [
             {"prompt": p, "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason.value}

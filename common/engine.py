@@ -175,6 +175,10 @@ class Engine(ABC):
         self.free_request(request)
         self.requests.pop(request.request_id, None)
 
+    def memory_report(self) -> str:
+        """A line on how the step used its KV memory so far (each step knows its own cache)."""
+        return ""
+
     @abstractmethod
     def free_request(self, request: Request) -> None:
         """Release whatever KV cache the request holds (it may hold none yet); called once per request."""

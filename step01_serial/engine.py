@@ -19,6 +19,8 @@ class SerialEngine(Engine):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.caches: dict[str, ContiguousKVCache] = {}
+        self.kv_tokens_reserved = 0  # over all finished requests: room set aside...
+        self.kv_tokens_used = 0  # ...and room actually filled
 
     def step(self) -> list[RequestOutput]:
         outputs = []
@@ -54,4 +56,18 @@ class SerialEngine(Engine):
         return self.process_tokens([request], self.sample(logits, [request]))
 
     def free_request(self, request: Request) -> None:
-        self.caches.pop(request.request_id, None)
+        cache = self.caches.pop(request.request_id, None)
+        if cache is not None:
+            self.kv_tokens_reserved += cache.capacity
+            self.kv_tokens_used += cache.length
+
+    def memory_report(self) -> str:
+        if not self.kv_tokens_reserved:
+            return ""
+        per_token = self.model.config.num_layers * self.model.config.num_kv_heads * self.model.config.head_dim * 2
+        mib = per_token * self.model.dtype.itemsize / 2**20
+        return (
+            f"KV cache: {self.kv_tokens_reserved} token slots reserved ({self.kv_tokens_reserved * mib:.1f} MiB), "
+            f"{self.kv_tokens_used} filled: {100 * self.kv_tokens_used / self.kv_tokens_reserved:.0f}% of the "
+            "reservation was used"
+        )

@@ -142,3 +142,16 @@ def test_request_ids_and_empty_prompts_are_checked() -> None:
         engine.add_request([])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([10**9])
+
+
+def test_contiguous_reservation_is_measured() -> None:
+    """step01 reserves prompt + max_tokens per request; what early-stopping requests leave unused is counted."""
+    engine = SerialEngine.from_config(EngineConfig(model="tiny-llama", device="cpu"))
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    params = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, stop_token_ids=list(range(49152)))]
+    completions = engine.generate(prompts, params)
+    assert [len(c.token_ids) for c in completions] == [20, 1]  # the second stops at its first token
+    assert engine.kv_tokens_reserved == (3 + 20) + (5 + 20)
+    # Every token but the last sampled one went through a forward and so into the cache.
+    assert engine.kv_tokens_used == (3 + 20 - 1) + (5 + 1 - 1)
+    assert "48 token slots reserved" in engine.memory_report() and "27 filled" in engine.memory_report()
