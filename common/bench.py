@@ -200,9 +200,10 @@ def device_name(device: torch.device) -> str:
 
 def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+        out = subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=Path(__file__).parent)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return out.stdout.strip()
 
 
 def evidence_header(device: torch.device, model: str, dtype: torch.dtype, **settings: Any) -> dict[str, Any]:
@@ -218,9 +219,18 @@ def evidence_header(device: torch.device, model: str, dtype: torch.dtype, **sett
         pass
     if device.type == "cuda":
         versions["cuda"] = torch.version.cuda
+    # A copy of the tree without .git (the GPU machine's) gets the commit handed over in the environment.
+    commit = os.environ.get("LLM_STEPS_GIT_COMMIT") or _git("rev-parse", "HEAD")
+    dirty_env = os.environ.get("LLM_STEPS_GIT_DIRTY")
+    if dirty_env is not None:
+        dirty: bool | None = dirty_env == "1"
+    elif commit == "unknown":
+        dirty = None
+    else:
+        dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     return {
-        "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "git_commit": commit,
+        "git_dirty": dirty,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "versions": versions,
         "device": device_name(device),

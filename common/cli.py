@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from common.bench import (
+    Workload,
     evidence_header,
     fixed_workload,
     format_table,
@@ -171,15 +172,15 @@ def bench(engine_class: type[Engine], step_name: str, args: argparse.Namespace) 
         workloads = [fixed_workload(b, args.prompt_len, max_tokens, seed=args.seed) for b in sizes]
     hf = None if args.no_hf else hf_model_for(engine.loaded)
     pad = min(engine.eos_token_ids) if engine.eos_token_ids else 0
-    warmup = fixed_workload(2, 16, 4)
-    run_engine(engine, warmup, step_name)
-    if hf is not None:
-        run_hf_generate(hf, warmup, pad)
     runs = []
     for workload in workloads:
         print(f"[bench] {workload.name} ...", flush=True)
+        # Warm up on the same batch and prompt shapes (kernel selection, allocator), with few new tokens.
+        warmup = Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens])
+        run_engine(engine, warmup, step_name)
         runs.append(median_of(lambda: run_engine(engine, workload, step_name), args.repeats))
         if hf is not None and len(set(workload.output_lens)) == 1:
+            run_hf_generate(hf, warmup, pad)
             runs.append(median_of(lambda: run_hf_generate(hf, workload, pad), args.repeats))
     print(format_table(runs))
     header = evidence_header(

@@ -5,6 +5,7 @@
 # (made by scripts/prepare_gpu_cache.sh) and point LLM_STEPS_CACHE there.
 set -euo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 LLM_STEPS_CACHE="${LLM_STEPS_CACHE:-.gpucache}"
+# The tree arrives without .git: pass LLM_STEPS_GIT_COMMIT=<sha> LLM_STEPS_GIT_DIRTY=0|1 so evidence names it.
 OUT="${OUT:-results/gpu}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -14,4 +15,8 @@ python step01_serial/run.py --dry-run --device cuda 2>&1 | tee "$OUT/step01-dry-
 
 echo "== step01 vs HF generate(): random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
 python step01_serial/run.py --bench --model random:qwen2.5-7b --device cuda --dtype bfloat16 \
-  --batch-sizes 1,8 --max-tokens 128 --repeats 3 --bench-output "$OUT/step01-bench-cuda-random-qwen2.5-7b.json"
+  --batch-sizes 1,8 --max-tokens 128 --repeats 5 --bench-output "$OUT/step01-bench-cuda-random-qwen2.5-7b.json"
+
+echo "== a 7B checkpoint loads onto the GPU without a second copy"
+python scripts/check_checkpoint_memory.py --folder /tmp/ckpt-qwen2.5-7b \
+  --output "$OUT/checkpoint-load-memory-qwen2.5-7b.json"
