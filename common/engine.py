@@ -108,6 +108,7 @@ class Engine(ABC):
         request = Request.create(
             request_id, prompt_ids, params, self.tokenizer, self.eos_token_ids, self.max_model_len, priority
         )
+        self.check_request(request)
         self.requests[request_id] = request
         self.waiting.append(request)
         return request_id
@@ -124,6 +125,9 @@ class Engine(ABC):
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len}, "
                 "with room needed for at least one new token: shorten the prompt"
             )
+
+    def check_request(self, request: Request) -> None:
+        """Refuse, with a ValueError that says what to change, a request this engine could never run."""
 
     @abstractmethod
     def step(self) -> list[RequestOutput]:

@@ -36,3 +36,20 @@ def tokenizer() -> Tokenizer:
 def tiny(request: pytest.FixtureRequest) -> LoadedModel:
     """Each tiny seeded-random model in turn: tiny-llama, tiny-qwen2, tiny-qwen3."""
     return load_model(request.param, device="cpu")
+
+
+PARITY_MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="session")
+def embedded_reference(embedded: LoadedModel, embedded_hf: PreTrainedModel) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, HF generate() greedy ids) for every parity prompt on the embedded model, computed once."""
+    from common.prompts import PARITY_PROMPTS
+    from common.reference import reference_greedy
+
+    eos = embedded.tokenizer.eos_token_ids
+    pairs = []
+    for prompt in PARITY_PROMPTS:
+        ids = embedded.tokenizer.apply_chat_template(prompt)
+        pairs.append((ids, reference_greedy(embedded_hf, ids, PARITY_MAX_TOKENS, eos)))
+    return pairs

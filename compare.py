@@ -1,0 +1,98 @@
+"""Every step on the same model and workload, in one run: the tutorial's performance curve.
+
+    python compare.py                                   # CPU, embedded model, batch 1/4/8, 128 new tokens
+    python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,4,8,32 --repeats 3
+
+One model is loaded once and shared by every step's engine and by the HF generate() baseline, so the
+figures differ only by what the steps do. Writes one JSON evidence file with every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from common.bench import (
+    Workload,
+    evidence_header,
+    fixed_workload,
+    format_table,
+    median_of,
+    run_engine,
+    run_hf_generate,
+    write_evidence,
+)
+from common.engine import Engine, EngineConfig
+from common.loading import EMBEDDED_MODEL, load_model
+from common.reference import hf_model_for
+from step01_serial.engine import SerialEngine
+from step02_paged_kv.engine import PagedEngine, PagedEngineConfig
+from step03_vectorized_gather.engine import VectorizedGatherEngine
+
+STEPS: dict[str, type[Engine]] = {
+    "step01_serial": SerialEngine,
+    "step02_paged_kv": PagedEngine,
+    "step03_vectorized_gather": VectorizedGatherEngine,
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=EMBEDDED_MODEL)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--steps", default=",".join(STEPS), help="comma-separated step names")
+    p.add_argument("--batch-sizes", default="1,4,8")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--output", type=Path, help="evidence file (default results/compare/<device>-<model>.json)")
+    args = p.parse_args()
+
+    base = PagedEngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size)
+    loaded = load_model(args.model, base.resolved_device(), base.resolved_dtype())
+    hf = None if args.no_hf else hf_model_for(loaded)
+    pad = min(loaded.tokenizer.eos_token_ids)
+    workloads = [fixed_workload(int(b), args.prompt_len, args.max_tokens) for b in args.batch_sizes.split(",")]
+    # Size the KV pool once for the largest workload, the same for every paged step.
+    longest = max(len(p) + n for w in workloads for p, n in zip(w.prompts, w.output_lens))
+    blocks = max(len(w.prompts) for w in workloads) * -(-longest // args.block_size) + 8
+    engines = {}
+    for name in args.steps.split(","):
+        engine_class = STEPS[name]
+        if issubclass(engine_class.config_class, PagedEngineConfig):
+            config: EngineConfig = replace(base, num_blocks=blocks)
+        else:
+            config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype)
+        engines[name] = engine_class(loaded, config)
+
+    runs = []
+    for workload in workloads:
+        warmup = Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens])
+        for name, engine in engines.items():
+            started = time.perf_counter()
+            run_engine(engine, warmup, name)
+            runs.append(median_of(lambda: run_engine(engine, workload, name), args.repeats))
+            print(f"[compare] {workload.name} {name}: {runs[-1].output_tok_per_s:.1f} tok/s "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+        if hf is not None:
+            run_hf_generate(hf, warmup, pad)
+            runs.append(median_of(lambda: run_hf_generate(hf, workload, pad), args.repeats))
+            print(f"[compare] {workload.name} hf-generate: {runs[-1].output_tok_per_s:.1f} tok/s", flush=True)
+    print(format_table(runs))
+    device = loaded.model.device
+    header = evidence_header(device, args.model, loaded.model.dtype, steps=list(engines), block_size=args.block_size,
+                             num_blocks=blocks, repeats=args.repeats, torch_threads=torch.get_num_threads())
+    output = args.output or Path("results/compare") / f"{device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
+    print(f"wrote {write_evidence(output, header, runs, workloads)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

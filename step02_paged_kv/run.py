@@ -1,0 +1,25 @@
+"""Step 02: paged KV cache, one batched decode forward per step, continuous batching (Python-loop gather).
+
+Examples:
+    python step02_paged_kv/run.py --dry-run
+    python step02_paged_kv/run.py                          # embedded model, checked against HF generate()
+    python step02_paged_kv/run.py --block-size 4 --num-blocks 64
+    python step02_paged_kv/run.py --bench --batch-sizes 1,4,8
+"""
+
+import argparse
+
+from common.cli import main
+from step02_paged_kv.engine import PagedEngine
+
+
+def add_paged_arguments(parser: argparse.ArgumentParser) -> None:
+    paged = parser.add_argument_group("paged KV cache")
+    paged.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
+    paged.add_argument("--num-blocks", type=int, default=None, help="KV budget in blocks (default: from memory)")
+    paged.add_argument("--kv-memory-gb", type=float, default=None,
+                       help="KV budget in GB when --num-blocks is not given (default: 90%% of free GPU memory, 1 GB on CPU)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(PagedEngine, "step02_paged_kv", __doc__, add_arguments=add_paged_arguments))

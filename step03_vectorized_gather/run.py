@@ -1,0 +1,14 @@
+"""Step 03: step 02 with one vectorized gather and one scatter per layer instead of Python loops.
+
+Examples:
+    python step03_vectorized_gather/run.py --dry-run
+    python step03_vectorized_gather/run.py                 # embedded model, checked against HF generate()
+    python step03_vectorized_gather/run.py --bench --batch-sizes 1,4,8
+"""
+
+from common.cli import main
+from step02_paged_kv.run import add_paged_arguments
+from step03_vectorized_gather.engine import VectorizedGatherEngine
+
+if __name__ == "__main__":
+    raise SystemExit(main(VectorizedGatherEngine, "step03_vectorized_gather", __doc__, add_arguments=add_paged_arguments))
