@@ -1,22 +1,42 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call (see ../README.md, "On a GPU").
 # Runs from the repository root with PYTHONPATH=. and no install; writes evidence under $OUT.
+#   bash scripts/gpu_suite.sh                 # every section
+#   bash scripts/gpu_suite.sh parity compare  # only the named sections
 # The random:* models need only the embedded model's tokenizer files: carry them in .gpucache/
 # (made by scripts/prepare_gpu_cache.sh) and point LLM_STEPS_CACHE there.
+# The tree arrives without .git: pass LLM_STEPS_GIT_COMMIT=<sha> LLM_STEPS_GIT_DIRTY=0|1 so evidence names it.
 set -euo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 LLM_STEPS_CACHE="${LLM_STEPS_CACHE:-.gpucache}"
-# The tree arrives without .git: pass LLM_STEPS_GIT_COMMIT=<sha> LLM_STEPS_GIT_DIRTY=0|1 so evidence names it.
 OUT="${OUT:-results/gpu}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 
-echo "== step01: greedy parity with HF generate() on CUDA, tiny models, fp32"
-python step01_serial/run.py --dry-run --device cuda 2>&1 | tee "$OUT/step01-dry-run-cuda.txt"
+parity() {
+  echo "== greedy parity with HF generate() on CUDA, tiny models, fp32, requests arriving while others decode"
+  for step in step01_serial step02_paged_kv step03_vectorized_gather; do
+    python "$step/run.py" --dry-run --device cuda 2>&1 | grep -v "Loading weights"
+  done | tee "$OUT/dry-run-cuda.txt"
+}
 
-echo "== step01 vs HF generate(): random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
-python step01_serial/run.py --bench --model random:qwen2.5-7b --device cuda --dtype bfloat16 \
-  --batch-sizes 1,8 --max-tokens 128 --repeats 5 --bench-output "$OUT/step01-bench-cuda-random-qwen2.5-7b.json"
+step01_bench() {
+  echo "== step01 vs HF generate(): random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
+  python step01_serial/run.py --bench --model random:qwen2.5-7b --device cuda --dtype bfloat16 \
+    --batch-sizes 1,8 --max-tokens 128 --repeats 5 --bench-output "$OUT/step01-bench-cuda-random-qwen2.5-7b.json"
+}
 
-echo "== a 7B checkpoint loads onto the GPU without a second copy"
-python scripts/check_checkpoint_memory.py --folder /tmp/ckpt-qwen2.5-7b \
-  --output "$OUT/checkpoint-load-memory-qwen2.5-7b.json"
+compare() {
+  echo "== every step and HF generate() on one workload: random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
+  python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,4,8,32 --max-tokens 128 \
+    --repeats 2 --output "$OUT/compare-cuda-random-qwen2.5-7b.json"
+}
+
+checkpoint_memory() {
+  echo "== a 7B checkpoint loads onto the GPU without a second copy"
+  python scripts/check_checkpoint_memory.py --folder /tmp/ckpt-qwen2.5-7b \
+    --output "$OUT/checkpoint-load-memory-qwen2.5-7b.json"
+}
+
+sections=("$@")
+[ ${#sections[@]} -gt 0 ] || sections=(parity step01_bench compare checkpoint_memory)
+for section in "${sections[@]}"; do "$section"; done
