@@ -1,20 +1,23 @@
-"""Print a benchmark evidence file as a markdown table, so README figures are copied from evidence, not typed.
+"""Print benchmark evidence as markdown tables, so README figures are copied from evidence, not typed.
 
     python scripts/results_table.py results/step01_serial/bench-cpu-smollm2-135m-instruct.json
+    python scripts/results_table.py --pivot results/compare/cuda-random-qwen2.5-7b.json   # tok/s, batch x system
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 
-def markdown(path: str) -> str:
-    doc = json.load(open(path, encoding="utf-8"))
+def source_line(path: str, doc: dict) -> str:
+    return f"<!-- {path}: commit {doc['git_commit'][:10]}, {doc['device']}, {doc['model']}, {doc['dtype']} -->"
+
+
+def detailed(path: str, doc: dict) -> list[str]:
     runs = doc["runs"]
     hf = {r["batch"]: r["output_tok_per_s"] for r in runs if r["system"] == "hf-generate"}
     lines = [
-        f"<!-- {path}: commit {doc['git_commit'][:10]}, {doc['device']}, {doc['model']}, {doc['dtype']} -->",
         "| system | batch | output tok/s | vs HF | TTFT ms (median) | TPOT ms (median) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
@@ -24,8 +27,30 @@ def markdown(path: str) -> str:
             f"| {r['system']} | {r['batch']} | {r['output_tok_per_s']:.1f} | {ratio} | "
             f"{r['ttft_ms_median']:.1f} | {r['tpot_ms_median']:.1f} |"
         )
-    return "\n".join(lines)
+    return lines
+
+
+def pivot(path: str, doc: dict) -> list[str]:
+    runs = doc["runs"]
+    systems = list(dict.fromkeys(r["system"] for r in runs))
+    batches = list(dict.fromkeys(r["batch"] for r in runs))
+    tok_s = {(r["system"], r["batch"]): r["output_tok_per_s"] for r in runs}
+    lines = ["| batch | " + " | ".join(systems) + " |", "|---:|" + "---:|" * len(systems)]
+    for b in batches:
+        cells = [f"{tok_s[(s, b)]:.1f}" if (s, b) in tok_s else "-" for s in systems]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+")
+    p.add_argument("--pivot", action="store_true", help="output tok/s only, one row per batch, one column per system")
+    args = p.parse_args()
+    for path in args.files:
+        doc = json.load(open(path, encoding="utf-8"))
+        print("\n".join([source_line(path, doc), *(pivot if args.pivot else detailed)(path, doc)]) + "\n")
 
 
 if __name__ == "__main__":
-    print("\n\n".join(markdown(p) for p in sys.argv[1:]))
+    main()
