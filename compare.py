@@ -72,6 +72,10 @@ def main() -> int:
             config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype)
         engines[name] = engine_class(loaded, config)
 
+    device = loaded.model.device
+    # Taken before the runs: the commit and dirty flag describe the code that is about to run.
+    header = evidence_header(device, args.model, loaded.model.dtype, steps=list(engines), block_size=args.block_size,
+                             num_blocks=blocks, repeats=args.repeats, torch_threads=torch.get_num_threads())
     runs = []
     for workload in workloads:
         warmup = Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens])
@@ -86,9 +90,6 @@ def main() -> int:
             runs.append(median_of(lambda: run_hf_generate(hf, workload, pad), args.repeats))
             print(f"[compare] {workload.name} hf-generate: {runs[-1].output_tok_per_s:.1f} tok/s", flush=True)
     print(format_table(runs))
-    device = loaded.model.device
-    header = evidence_header(device, args.model, loaded.model.dtype, steps=list(engines), block_size=args.block_size,
-                             num_blocks=blocks, repeats=args.repeats, torch_threads=torch.get_num_threads())
     output = args.output or Path("results/compare") / f"{device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
     print(f"wrote {write_evidence(output, header, runs, workloads)}")
     return 0

@@ -7,21 +7,25 @@ import sys
 import time
 
 from common.checks import check_against_reference
-from common.engine import Engine, EngineConfig
+from common.engine import Engine
 from common.prompts import DEMO_PROMPTS
 from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
+from step02_paged_kv.engine import PagedEngine
+from step03_vectorized_gather.engine import VectorizedGatherEngine
 
 # (step folder, what it teaches, its engine): one line per finished step.
 STEPS: list[tuple[str, str, type[Engine]]] = [
     ("step01_serial", "serial decode, one forward per request, contiguous KV", SerialEngine),
+    ("step02_paged_kv", "paged KV blocks, one batched decode forward, continuous batching", PagedEngine),
+    ("step03_vectorized_gather", "step02 with one vectorized gather instead of loops", VectorizedGatherEngine),
 ]
 MAX_TOKENS = 32
 
 
 def tour_step(name: str, idea: str, engine_class: type[Engine]) -> tuple[float, bool]:
     print(f"\n=== {name}: {idea}")
-    engine = engine_class.from_config(EngineConfig(device="cpu"))
+    engine = engine_class.from_config(engine_class.config_class(device="cpu"))
     prompts = [engine.tokenizer.apply_chat_template(p) for p in DEMO_PROMPTS]
     start = time.perf_counter()
     completions = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))

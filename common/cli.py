@@ -172,6 +172,12 @@ def bench(engine_class: type[Engine], step_name: str, args: argparse.Namespace) 
         workloads = [fixed_workload(b, args.prompt_len, max_tokens, seed=args.seed) for b in sizes]
     hf = None if args.no_hf else hf_model_for(engine.loaded)
     pad = min(engine.eos_token_ids) if engine.eos_token_ids else 0
+    # Taken before the runs: the commit and dirty flag describe the code that is about to run.
+    header = evidence_header(
+        engine.device, args.model, engine.model.dtype, step=step_name, engine=engine_class.__name__,
+        settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        torch_threads=torch.get_num_threads(),
+    )
     runs = []
     for workload in workloads:
         print(f"[bench] {workload.name} ...", flush=True)
@@ -183,11 +189,6 @@ def bench(engine_class: type[Engine], step_name: str, args: argparse.Namespace) 
             run_hf_generate(hf, warmup, pad)
             runs.append(median_of(lambda: run_hf_generate(hf, workload, pad), args.repeats))
     print(format_table(runs))
-    header = evidence_header(
-        engine.device, args.model, engine.model.dtype, step=step_name, engine=engine_class.__name__,
-        settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        torch_threads=torch.get_num_threads(),
-    )
     output = args.bench_output or Path("results") / step_name / (
         f"bench-{engine.device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
     )
