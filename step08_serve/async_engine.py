@@ -1,0 +1,194 @@
+"""One background thread drives the engine; asyncio request handlers talk to it through queues.
+
+The engine is not thread-safe and `engine.step()` blocks for a whole forward, so it gets a thread of its
+own that does nothing else: apply the queued commands (add, abort), run one step, hand each output to the
+queue of the request it belongs to, repeat. HTTP handlers run on the asyncio event loop and never touch
+the engine directly.
+
+The ordering that matters: a request's output queue is registered *before* its add command is queued.
+The other way round, a fast engine could produce the first token before anyone listens for it, and the
+token would be dropped (the registration race).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from common.engine import Engine
+from common.request import RequestOutput
+from common.sampling import SamplingParams
+from step08_serve.metrics import Histogram
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop stopped on an error; no request can be served."""
+
+
+@dataclass
+class ServingStats:
+    """Counters the /metrics endpoint reports (written by the step thread, read by handlers)."""
+
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    tokens_generated: int = 0
+    steps: int = 0
+    ttft_seconds: Histogram = field(default_factory=Histogram)
+    tpot_seconds: Histogram = field(default_factory=Histogram)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.stats = ServingStats()
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._timing: dict[str, _Timing] = {}  # per running request, for TTFT/TPOT
+
+    # ----- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # ----- what handlers call --------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs. Leaving early (client gone, task cancelled) aborts the request."""
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        assert self._loop is not None
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream  # registered before the add: no output can arrive unheard
+        added: asyncio.Future[None] = self._loop.create_future()
+        self._submit(lambda: self._add(request_id, prompt_ids, params, priority, added))
+        finished = False
+        try:
+            await added  # a ValueError from the engine (e.g. the request can never fit) surfaces here
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self._abort(request_id))
+
+    def num_open_streams(self) -> int:
+        return len(self._streams)
+
+    # ----- the step thread -----------------------------------------------------------------------------
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int,
+             added: asyncio.Future[None]) -> None:
+        try:
+            self.engine.add_request(prompt_ids, params, request_id=request_id, priority=priority)
+        except ValueError as err:
+            self._call_in_loop(_settle, added, err)
+            return
+        self._timing[request_id] = _Timing(time.perf_counter())
+        self._call_in_loop(_settle, added, None)
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine.abort(request_id) is not None:
+            self.stats.requests_aborted += 1
+        self._timing.pop(request_id, None)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                while not self._commands.empty():
+                    self._commands.get()()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self.stats.steps += 1
+                self._record(outputs)
+                self._call_in_loop(self._deliver, outputs)
+        except BaseException as err:  # a dead loop must fail every waiting request, not hang them
+            log.exception("engine step loop failed")
+            self.error = err
+            self._call_in_loop(self._fail_all, EngineDeadError(f"the engine loop failed: {type(err).__name__}"))
+
+    def _record(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            self.stats.tokens_generated += len(out.new_token_ids)
+            timing = self._timing.get(out.request_id)
+            if timing is None:
+                continue
+            timing.tokens += len(out.new_token_ids)
+            if timing.first_token_at is None:
+                timing.first_token_at = now
+                self.stats.ttft_seconds.observe(now - timing.added_at)
+            if out.finished:
+                self.stats.requests_finished += 1
+                if timing.tokens > 1:
+                    self.stats.tpot_seconds.observe((now - timing.first_token_at) / (timing.tokens - 1))
+                del self._timing[out.request_id]
+
+    def _call_in_loop(self, fn: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+
+
+@dataclass
+class _Timing:
+    added_at: float
+    first_token_at: float | None = None
+    tokens: int = 0
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():  # the handler already gave up (client gone)
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

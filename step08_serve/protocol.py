@@ -1,0 +1,160 @@
+"""The OpenAI request bodies we accept, checked before anything reaches the engine.
+
+Unknown fields are accepted and ignored: the official SDK's `extra_body` and benchmark clients send
+fields a server may not know, and rejecting them breaks those clients. Known fields are checked for type
+and range; a field we understand but do not implement is refused with a 400 that names it, rather than
+silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from common.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A client error: becomes a 400 (or the given status) in the OpenAI error envelope."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 error_type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.error_type = error_type
+        self.code = code
+
+
+def error_body(message: str, error_type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _GenerationFields(BaseModel):
+    """Fields shared by chat completions and completions."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logprobs: bool | int | None = None
+    user: str | None = None
+    # Extras sent as top-level keys through the SDK's extra_body.
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    stop_token_ids: list[int] | None = None
+    priority: int = 0
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return value
+
+    def check_supported(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed when stream is true", "stream_options")
+        unsupported = {
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "min_p": self.min_p != 0.0,
+            "min_tokens": self.min_tokens != 0,
+            "logprobs": bool(self.logprobs),
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise RequestError(f"{name} is not supported by this server; leave it at its default", name)
+
+    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+        """The engine's parameters for choice number `choice` of `n` (each choice gets its own seed)."""
+        seed = None if self.seed is None else self.seed + choice
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),  # -1 and 0 both mean "no top-k" (vLLM uses -1)
+            seed=seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def token_budget(self) -> int | None:
+        """Chat has no default budget: None means "up to the context limit"."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise RequestError("echo is not supported by this server", "echo")
+        if self.suffix:
+            raise RequestError("suffix is not supported by this server", "suffix")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one string, several strings, one id list, or several id lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise RequestError("prompt must not be empty", "prompt")
+        if all(isinstance(x, str) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[list-item]
+        return [list(x) for x in p]  # type: ignore[union-attr]
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
