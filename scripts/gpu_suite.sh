@@ -5,9 +5,11 @@
 #   bash scripts/gpu_suite.sh parity compare  # only the named sections
 # The random:* models need only the embedded model's tokenizer files: carry them in .gpucache/
 # (made by scripts/prepare_gpu_cache.sh) and point LLM_STEPS_CACHE there.
+# step08 needs fastapi, uvicorn and openai, which the GPU machine lacks: carry their wheels in .whl/ and
+# install them with --target into a folder on PYTHONPATH before calling this script.
 # The tree arrives without .git: pass LLM_STEPS_GIT_COMMIT=<sha> LLM_STEPS_GIT_DIRTY=0|1 so evidence names it.
 set -euo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1 LLM_STEPS_CACHE="${LLM_STEPS_CACHE:-.gpucache}"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NO_PROXY=127.0.0.1,localhost LLM_STEPS_CACHE="${LLM_STEPS_CACHE:-.gpucache}"
 OUT="${OUT:-results/gpu}"
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -37,6 +39,12 @@ checkpoint_memory() {
     --output "$OUT/checkpoint-load-memory-qwen2.5-7b.json"
 }
 
+serve() {
+  echo "== step08: concurrency through the openai SDK, and the server against the bare engine"
+  python step08_serve/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,2,4,8,16,32 \
+    --max-tokens 128 --output "$OUT/serve-cuda-random-qwen2.5-7b.json"
+}
+
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity step01_bench compare checkpoint_memory)
+[ ${#sections[@]} -gt 0 ] || sections=(parity step01_bench compare checkpoint_memory serve)
 for section in "${sections[@]}"; do "$section"; done

@@ -1,0 +1,167 @@
+"""Concurrency benchmark through the official SDK, and the server's overhead against the bare engine.
+
+Starts the server as a separate process (so the clients do not share its interpreter), then for each
+concurrency level runs that many streaming clients at once, each sending `--requests-per-client` requests
+back to back (32-token prompts as token ids, `--max-tokens` new tokens, ignore_eos). Measured at the client:
+TTFT (request sent -> first chunk), TPOT ((latency - TTFT) / (tokens - 1)), output tok/s over the wall time.
+Then stops the server and drives the same engine directly with the same requests, at the same
+concurrency, for the overhead ratio. Writes JSON evidence.
+
+    python step08_serve/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,2,4,8,16,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from openai import AsyncOpenAI
+
+from common.bench import Workload, evidence_header, fixed_workload, run_engine
+from common.loading import EMBEDDED_MODEL
+from step08_serve.launcher import DEFAULT_STEP, STEPS, free_port
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+async def one_request(client: AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and first is None:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    assert first is not None and tokens == max_tokens, "a request did not stream what it asked for"
+    return first - start, (end - first) / max(tokens - 1, 1), tokens
+
+
+async def run_clients(base_url: str, model: str, workload: Workload, concurrency: int) -> dict[str, float]:
+    per_client = [workload.prompts[i::concurrency] for i in range(concurrency)]
+    results: list[tuple[float, float, int]] = []
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600) as client:
+
+        async def client_loop(prompts: list[list[int]]) -> None:
+            for prompt in prompts:
+                results.append(await one_request(client, model, prompt, workload.output_lens[0]))
+
+        start = time.perf_counter()
+        await asyncio.gather(*[client_loop(p) for p in per_client])
+        elapsed = time.perf_counter() - start
+    ttft = [r[0] * 1e3 for r in results]
+    tpot = [r[1] * 1e3 for r in results]
+    total = sum(r[2] for r in results)
+    return {
+        "concurrency": concurrency, "requests": len(results), "output_tokens": total, "elapsed_s": elapsed,
+        "output_tok_per_s": total / elapsed,
+        "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p99": percentile(ttft, 0.99),
+        "tpot_ms_p50": statistics.median(tpot), "tpot_ms_p99": percentile(tpot, 0.99),
+    }
+
+
+def wait_healthy(base_url: str, server: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError("the server exited during start-up")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server did not become healthy in time")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=EMBEDDED_MODEL)
+    p.add_argument("--step", choices=list(STEPS), default=DEFAULT_STEP)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--no-direct", action="store_true", help="skip the bare-engine comparison")
+    p.add_argument("--output", type=Path, default=None)
+    args = p.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    max_requests = max(levels) * args.requests_per_client
+    workload = fixed_workload(max_requests, args.prompt_len, args.max_tokens, seed=1)
+
+    import torch
+
+    device = torch.device("cuda" if args.device in ("cuda", "auto") and torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the engines' "auto" choice
+    header = evidence_header(device, args.model, dtype, step=args.step, prompt_len=args.prompt_len,
+                             max_tokens=args.max_tokens, requests_per_client=args.requests_per_client)
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    env = os.environ | {"NO_PROXY": "127.0.0.1,localhost"}
+    server = subprocess.Popen([sys.executable, "step08_serve/run.py", "--model", args.model, "--step", args.step,
+                               "--device", args.device, "--port", str(port), "--max-num-seqs", str(max(levels))],
+                              env=env)
+    served: list[dict[str, float]] = []
+    try:
+        wait_healthy(base_url, server)
+        asyncio.run(run_clients(base_url, args.model, fixed_workload(2, args.prompt_len, 8), 2))  # warm-up
+        for c in levels:
+            requests = Workload(f"c{c}", workload.prompts[: c * args.requests_per_client],
+                                workload.output_lens[: c * args.requests_per_client])
+            served.append(asyncio.run(run_clients(base_url, args.model, requests, c)))
+            print(f"[serve] concurrency {c:3d}: {served[-1]['output_tok_per_s']:8.1f} tok/s  "
+                  f"TTFT p50 {served[-1]['ttft_ms_p50']:7.1f} ms  TPOT p50 {served[-1]['tpot_ms_p50']:6.1f} ms", flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+    direct = []
+    if not args.no_direct:
+        engine_class = STEPS[args.step]
+        engine = engine_class.from_config(engine_class.config_class(model=args.model, device=args.device,
+                                                                    max_num_seqs=max(levels)))
+        run_engine(engine, fixed_workload(2, args.prompt_len, 8), "warmup")
+        for c in levels:
+            # The same requests, `c` at a time, as the clients sent them.
+            tok = elapsed = 0.0
+            for r in range(args.requests_per_client):
+                batch = Workload(f"c{c}", workload.prompts[r * c:(r + 1) * c], workload.output_lens[r * c:(r + 1) * c])
+                m = run_engine(engine, batch, args.step)
+                tok += m.output_tokens
+                elapsed += m.elapsed_s
+            direct.append({"concurrency": c, "output_tok_per_s": tok / elapsed})
+            print(f"[engine] concurrency {c:3d}: {direct[-1]['output_tok_per_s']:8.1f} tok/s", flush=True)
+
+    base = served[0]["output_tok_per_s"]
+    for row in served:
+        row["vs_concurrency_1"] = row["output_tok_per_s"] / base
+    for row, d in zip(served, direct):
+        row["direct_engine_tok_per_s"] = d["output_tok_per_s"]
+        row["server_vs_direct"] = row["output_tok_per_s"] / d["output_tok_per_s"]
+    doc = header | {"runs": served}
+    output = args.output or Path("results/step08_serve") / f"serve-{device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
