@@ -21,4 +21,4 @@ tour: install
 	$(BIN)/python tour.py
 
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest tests --nbmake notebooks

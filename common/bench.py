@@ -177,7 +177,8 @@ def run_hf_generate(hf: PreTrainedModel, workload: Workload, pad_token_id: int) 
 
 
 def median_of(run: Callable[[], RunMetrics], repeats: int) -> RunMetrics:
-    """Run `repeats` times and keep the run with the median throughput (its other figures come with it)."""
+    """Run `repeats` times and keep the run with the median throughput (its other figures come with it).
+    For an even count that is the upper of the two middle runs; every run's figure is kept in `extra`."""
     results = sorted((run() for _ in range(repeats)), key=lambda m: m.output_tok_per_s)
     chosen = results[len(results) // 2]
     chosen.extra["repeats_tok_per_s"] = [round(r.output_tok_per_s, 2) for r in results]

@@ -142,7 +142,7 @@ class PagedEngine(Engine):
         for logical, block in enumerate(table):
             first, last = logical * size, min((logical + 1) * size, num_tokens) - 1
             lines.append(
-                f"  block {logical} -> {block:4d}   positions {first:4d}-{last:<4d} -> slots "
+                f"  block {logical:2d} -> {block:4d}   positions {first:4d}-{last:<4d} -> slots "
                 f"{self.cache.slot(table, first)}-{self.cache.slot(table, last)}"
             )
         return "\n".join(lines)

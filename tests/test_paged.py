@@ -169,7 +169,7 @@ def test_block_table_translation_is_printed_for_scattered_blocks() -> None:
     for position in range(num_tokens):
         block = table[position // 4]
         assert engine.cache.slot(table, position) == block * 4 + position % 4
-    assert f"block 1 -> {table[1]:4d}" in text
+    assert f"block  1 -> {table[1]:4d}" in text
 
 
 @pytest.mark.parametrize("engine_class", PAGED_ENGINES)
