@@ -5,13 +5,20 @@ Everything here is session-scoped and read-only: a test must never change a mode
 
 from __future__ import annotations
 
-import pytest
-from transformers import PreTrainedModel
+import os
 
-from common.config import TINY_ARCHES
-from common.loading import LoadedModel, embedded_tokenizer, load_model
-from common.reference import hf_model_for
-from common.tokenizer import Tokenizer
+# Without a GPU, Triton kernels run only in Triton's interpreter, which must be chosen before triton is
+# first imported (by anything), hence here, before torch and transformers.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import PreTrainedModel  # noqa: E402
+
+from common.config import TINY_ARCHES  # noqa: E402
+from common.loading import LoadedModel, embedded_tokenizer, load_model  # noqa: E402
+from common.reference import hf_model_for  # noqa: E402
+from common.tokenizer import Tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")

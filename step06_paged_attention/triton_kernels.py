@@ -1,0 +1,206 @@
+"""Our own Triton kernels for paged attention: K/V are read straight from the block pool, never copied.
+
+- `write_kv`: store each new token's K and V at its slot (`slot_mapping`), one program per token.
+- `paged_decode`: one new query token per request against its whole cached sequence. A program owns one
+  (request, KV head, sequence split): it loads each K/V tile once and uses it for every query head of that
+  KV head's group (grouped-query attention), keeping an online softmax. Several splits per sequence keep
+  the GPU busy when there are few requests but long contexts; a second small kernel merges the splits.
+  Lengths are read from device memory inside the kernel, not baked in as launch constants.
+- `paged_prefill`: new tokens of several requests (a flat, variable-length batch) attending causally to
+  their own cached prefix plus themselves, read through the block table.
+
+Tokens are addressed one by one through the block table (`block = table[t // block_size]`), so tiles
+may span several blocks and any block size works. Accumulation is in float32 whatever the cache dtype.
+On a machine without a GPU, set TRITON_INTERPRET=1 to run them (slowly) on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS, stride_new_t, stride_slot,
+                     ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    cols = tl.arange(0, ROW_PAD)
+    mask = cols < ROW
+    k = tl.load(K_NEW + t * stride_new_t + cols, mask=mask)
+    v = tl.load(V_NEW + t * stride_new_t + cols, mask=mask)
+    tl.store(K_CACHE + slot * stride_slot + cols, k, mask=mask)
+    tl.store(V_CACHE + slot * stride_slot + cols, v, mask=mask)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [tokens, kv_heads, head_dim]; caches: one layer, [num_blocks, block_size, kv_heads, head_dim]."""
+    tokens, kv_heads, head_dim = k.shape
+    row = kv_heads * head_dim
+    k, v = k.reshape(tokens, row), v.reshape(tokens, row)
+    _write_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), row,
+                                ROW=row, ROW_PAD=triton.next_power_of_2(row))
+
+
+@triton.jit
+def _paged_decode_split_kernel(
+    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L, scale,
+    stride_qb, stride_qh, stride_bt, stride_slot, stride_acc_b, stride_acc_h, stride_acc_s,
+    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    # Each split owns a contiguous, tile-aligned range of this request's tokens.
+    per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + TILE - 1) // TILE * TILE
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+    q = (q.to(tl.float32) * scale).to(q.dtype)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for tile_start in range(start, end, TILE):
+        t = tile_start + tl.arange(0, TILE)
+        valid = t < end
+        block = tl.load(BLOCK_TABLE + b * stride_bt + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + t % BLOCK_SIZE
+        offs = slot[:, None] * stride_slot + kv_head * HEAD_DIM + d[None, :]
+        k = tl.load(K_CACHE + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(V_CACHE + offs, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k))  # [GROUP_PAD, TILE], float32
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # A fully masked row keeps m = -inf; exp(-inf - -inf) would be NaN, so guard with a finite base.
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - base[:, None])
+        alpha = tl.exp(m_i - base)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    out = ACC + b * stride_acc_b + heads[:, None] * stride_acc_h + split * stride_acc_s + d[None, :]
+    tl.store(out, acc, mask=(g < GROUP)[:, None])
+    stat = b * (stride_acc_b // HEAD_DIM) + heads * NUM_SPLITS + split
+    tl.store(M + stat, m_i, mask=g < GROUP)
+    tl.store(L + stat, l_i, mask=g < GROUP)
+
+
+@triton.jit
+def _merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    used = s < NUM_SPLITS
+    stat = b * (stride_acc_b // HEAD_DIM) + h * NUM_SPLITS + s
+    m = tl.load(M + stat, mask=used, other=float("-inf"))
+    l = tl.load(L + stat, mask=used, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    acc = tl.load(ACC + b * stride_acc_b + h * stride_acc_h + s[:, None] * stride_acc_s + d[None, :],
+                  mask=used[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, num_splits: int = 1, tile: int = 64) -> torch.Tensor:
+    """q: [batch, heads, head_dim]; caches: one layer, [num_blocks, block_size, kv_heads, head_dim];
+    block_table: [batch, max_blocks] int32; seq_lens: [batch] int32 (tokens cached, the new one included).
+    Returns [batch, heads, head_dim] in q's dtype."""
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    acc = torch.empty(batch, heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+    m = torch.empty(batch, heads, num_splits, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    _paged_decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, acc, m, l, head_dim**-0.5,
+        q.stride(0), q.stride(1), block_table.stride(0), kv_heads * head_dim,
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile,
+    )
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(batch, heads)](
+        acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+    )
+    return out
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale,
+    stride_qt, stride_qh, stride_bt, stride_slot, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    m_tile = tl.program_id(1)
+    h = tl.program_id(2)
+    kv_head = h // GROUP
+    q_start = tl.load(CU_Q + b)
+    q_len = tl.load(CU_Q + b + 1) - q_start
+    context = tl.load(CONTEXT_LENS + b)  # cached prefix + this request's new tokens
+    if m_tile * BLOCK_M < q_len:
+        rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        pos = context - q_len + rows  # each new token's position in its sequence
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        q = (q.to(tl.float32) * scale).to(q.dtype)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        last = tl.minimum(context - q_len + (m_tile + 1) * BLOCK_M, context)  # causal: no key past the last row
+        for tile_start in range(0, last, TILE):
+            t = tile_start + tl.arange(0, TILE)
+            valid = t < last
+            block = tl.load(BLOCK_TABLE + b * stride_bt + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            offs = (block * BLOCK_SIZE + t % BLOCK_SIZE)[:, None] * stride_slot + kv_head * HEAD_DIM + d[None, :]
+            k = tl.load(K_CACHE + offs, mask=valid[:, None], other=0.0)
+            v = tl.load(V_CACHE + offs, mask=valid[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k))
+            allowed = valid[None, :] & (t[None, :] <= pos[:, None])
+            scores = tl.where(allowed, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - base[:, None])
+            alpha = tl.exp(m_i - base)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                  cu_q_lens: torch.Tensor, context_lens: torch.Tensor, max_q_len: int,
+                  block_m: int = 32, tile: int = 32) -> torch.Tensor:
+    """q: [total_new_tokens, heads, head_dim], requests laid end to end (`cu_q_lens`: [batch + 1] offsets);
+    their K/V must already be written to the cache. context_lens: [batch], cached prefix + new tokens.
+    `max_q_len` (a host int) only sizes the launch grid. Returns [total_new_tokens, heads, head_dim]."""
+    total, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    batch = block_table.shape[0]
+    out = torch.empty_like(q)
+    grid = (batch, triton.cdiv(max_q_len, block_m), heads)
+    _paged_prefill_kernel[grid](
+        q, k_cache, v_cache, block_table, cu_q_lens, context_lens, out, head_dim**-0.5,
+        q.stride(0), q.stride(1), block_table.stride(0), kv_heads * head_dim, out.stride(0), out.stride(1),
+        GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE=tile,
+    )
+    return out
