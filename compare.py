@@ -4,14 +4,15 @@
     python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,4,8,32 --repeats 3
 
 One model is loaded once and shared by every step's engine and by the HF generate() baseline, so the
-figures differ only by what the steps do. Writes one JSON evidence file with every run.
+figures differ only by what the steps do. Writes one JSON evidence file with every run, and its plot next
+to it (the same name with .png, drawn by scripts/plot_compare.py; skipped if matplotlib is not installed).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -32,11 +33,14 @@ from common.reference import hf_model_for
 from step01_serial.engine import SerialEngine
 from step02_paged_kv.engine import PagedEngine, PagedEngineConfig
 from step03_vectorized_gather.engine import VectorizedGatherEngine
+from step06_paged_attention.backends import ATTENTION_BACKENDS
+from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
 
 STEPS: dict[str, type[Engine]] = {
     "step01_serial": SerialEngine,
     "step02_paged_kv": PagedEngine,
     "step03_vectorized_gather": VectorizedGatherEngine,
+    "step06_paged_attention": PagedAttentionEngine,
 }
 
 
@@ -51,6 +55,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--attn", choices=ATTENTION_BACKENDS, default="auto", help="step06's attention backend")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--output", type=Path, help="evidence file (default results/compare/<device>-<model>.json)")
     args = p.parse_args()
@@ -66,8 +71,10 @@ def main() -> int:
     engines = {}
     for name in args.steps.split(","):
         engine_class = STEPS[name]
-        if issubclass(engine_class.config_class, PagedEngineConfig):
-            config: EngineConfig = replace(base, num_blocks=blocks)
+        if issubclass(engine_class.config_class, PagedAttentionEngineConfig):
+            config: EngineConfig = PagedAttentionEngineConfig(**asdict(replace(base, num_blocks=blocks)), attn=args.attn)
+        elif issubclass(engine_class.config_class, PagedEngineConfig):
+            config = replace(base, num_blocks=blocks)
         else:
             config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype)
         engines[name] = engine_class(loaded, config)
@@ -75,7 +82,8 @@ def main() -> int:
     device = loaded.model.device
     # Taken before the runs: the commit and dirty flag describe the code that is about to run.
     header = evidence_header(device, args.model, loaded.model.dtype, steps=list(engines), block_size=args.block_size,
-                             num_blocks=blocks, repeats=args.repeats, torch_threads=torch.get_num_threads())
+                             num_blocks=blocks, attn=args.attn, repeats=args.repeats,
+                             torch_threads=torch.get_num_threads())
     runs = []
     for workload in workloads:
         warmup = Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens])
@@ -91,7 +99,15 @@ def main() -> int:
             print(f"[compare] {workload.name} hf-generate: {runs[-1].output_tok_per_s:.1f} tok/s", flush=True)
     print(format_table(runs))
     output = args.output or Path("results/compare") / f"{device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
-    print(f"wrote {write_evidence(output, header, runs, workloads)}")
+    evidence = write_evidence(output, header, runs, workloads)
+    print(f"wrote {evidence}")
+    try:
+        # scripts/ has no __init__.py: it imports as a namespace package from the folder compare.py is in.
+        from scripts.plot_compare import write_plot
+
+        print(f"wrote {write_plot([evidence], evidence.with_suffix('.png'))}")
+    except ImportError as err:  # matplotlib is a test extra, not a dependency of the engine
+        print(f"no plot written ({err}); pip install matplotlib, then python scripts/plot_compare.py {evidence}")
     return 0
 
 

@@ -13,12 +13,15 @@ from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
 from step02_paged_kv.engine import PagedEngine
 from step03_vectorized_gather.engine import VectorizedGatherEngine
+from step06_paged_attention.engine import PagedAttentionEngine
 
 # (step folder, what it teaches, its engine): one line per finished step.
 STEPS: list[tuple[str, str, type[Engine]]] = [
     ("step01_serial", "serial decode, one forward per request, contiguous KV", SerialEngine),
     ("step02_paged_kv", "paged KV blocks, one batched decode forward, continuous batching", PagedEngine),
     ("step03_vectorized_gather", "step02 with one vectorized gather instead of loops", VectorizedGatherEngine),
+    ("step06_paged_attention", "attention backends over the block table, one batched prefill (torch backend on CPU)",
+     PagedAttentionEngine),
 ]
 MAX_TOKENS = 32
 

@@ -16,9 +16,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 
 parity() {
   echo "== greedy parity with HF generate() on CUDA, tiny models, fp32, requests arriving while others decode"
-  for step in step01_serial step02_paged_kv step03_vectorized_gather; do
-    python "$step/run.py" --dry-run --device cuda 2>&1 | grep -v "Loading weights"
-  done | tee "$OUT/dry-run-cuda.txt"
+  {
+    for step in step01_serial step02_paged_kv step03_vectorized_gather; do
+      python "$step/run.py" --dry-run --device cuda
+    done
+    for attn in torch triton; do
+      python step06_paged_attention/run.py --dry-run --device cuda --attn "$attn"
+    done
+    python -m pytest -q tests/test_triton_kernels.py tests/test_step06.py
+  } 2>&1 | grep -v "Loading weights" | tee "$OUT/dry-run-cuda.txt"
 }
 
 step01_bench() {

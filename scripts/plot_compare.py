@@ -1,12 +1,23 @@
 """Plot cross-step comparison evidence: output tokens per second against batch size, one line per system.
 
-    python scripts/plot_compare.py results/compare/cuda-random-qwen2.5-7b.json --output results/compare/cuda-random-qwen2.5-7b.png
+    python scripts/plot_compare.py results/compare/cpu-smollm2-135m-instruct.json   # writes the .png next to it
     python scripts/plot_compare.py results/compare/*.json --output compare.png     # one panel per file
+    python scripts/plot_compare.py results/compare/cuda-random-qwen2.5-7b.json --ceiling-bandwidth-tbs 4.2 --log-y
 
 Reads the JSON evidence that `compare.py` writes (`common/bench.py: write_evidence`): every figure drawn is
 a figure in the file. The line goes through the run each file reports (the one `median_of` kept of its
 repeats); the faint dots are every repeat, from `extra.repeats_tok_per_s`. The title names the device, model, dtype and
-commit the evidence records.
+commit the evidence records. `compare.py` calls `write_plot` itself after writing its evidence.
+
+With --ceiling-bandwidth-tbs, a dashed grey line adds the weight-read ceiling: a batched decode step reads
+every weight it uses at least once (all of them but the embedding table, of which it reads one row per
+request), so a step takes at least (weight bytes) / (memory bandwidth), and the output is at most
+batch x bandwidth / (weight bytes) tokens per second. The weights are counted from the model's
+config (`weight_params_per_decode_step`), so this needs the project importable (installed, or
+PYTHONPATH=.); the bandwidth is the flag's, a measurement of one device, not anything in the evidence. The
+bound leaves out every other byte a step moves (KV cache, activations), which can only lower the true
+figure, and it is only as high as the bandwidth given: a kernel that reads faster than the measured copy
+would raise it.
 """
 
 from __future__ import annotations
@@ -15,6 +26,9 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+# Bytes per weight for the dtypes the evidence names.
+BYTES_PER_PARAM = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 # One colour per system in every plot, so the same step looks the same on the CPU and the GPU.
 STYLES: dict[str, dict[str, Any]] = {
@@ -57,10 +71,59 @@ def workload_note(doc: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def plot_evidence(ax, doc: dict[str, Any], log_y: bool = False) -> None:
-    """Draw one evidence file on a matplotlib Axes."""
+def weight_params_per_decode_step(config: Any) -> int:
+    """How many weights one decode step must read, from a `common.config.ModelConfig`: every layer's q, k, v
+    and o projections (with the q, k, v biases if `qkv_bias`), the MLP's gate, up and down projections, the
+    two norms (and the per-head q and k norms if `qk_norm`), the final norm, and the output head. The
+    embedding table is not read whole: a step looks up one row per request, so only the head's matrix
+    counts, whether or not it is tied to the embedding."""
+    h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if config.qkv_bias else 0) + (2 * d if config.qk_norm else 0)
+    layer = attention + 3 * h * inter + 2 * h
+    return config.num_layers * layer + h + h * config.vocab_size
+
+
+def model_config_of(model: str) -> Any:
+    """The `ModelConfig` of the model an evidence file names: `random:<config>`, `tiny-<arch>`, the embedded
+    model, or a local folder (a Hugging Face id is refused rather than downloaded)."""
+    try:
+        from common.config import load_bundled_config, tiny_config
+        from common.loading import EMBEDDED_MODEL, read_config, resolve_checkpoint_dir
+    except ImportError as err:
+        raise SystemExit(f"the ceiling needs the project's `common` package ({err}): install the project "
+                         "(pip install -e .) or run with PYTHONPATH=.") from None
+    if model.startswith("random:"):
+        return load_bundled_config(model.removeprefix("random:"))
+    if model.startswith("tiny-"):
+        return tiny_config(model.removeprefix("tiny-"))
+    if model == EMBEDDED_MODEL or Path(model).expanduser().is_dir():
+        return read_config(resolve_checkpoint_dir(model))
+    raise SystemExit(f"no local config for {model!r}: the ceiling needs random:<config>, tiny-<arch>, "
+                     f"{EMBEDDED_MODEL} or a local model folder")
+
+
+def plot_ceiling(ax, doc: dict[str, Any], bandwidth_tbs: float) -> None:
+    """The weight-read ceiling, batch x bandwidth / weight bytes, as a dashed grey line over the file's batches."""
+    if doc.get("dtype") not in BYTES_PER_PARAM:
+        raise SystemExit(f"no weight size known for dtype {doc.get('dtype')!r}")
+    weight_bytes = weight_params_per_decode_step(model_config_of(doc["model"])) * BYTES_PER_PARAM[doc["dtype"]]
+    steps_per_s = bandwidth_tbs * 1e12 / weight_bytes
+    batches = sorted({r["batch"] for r in doc["runs"]})
+    for b in batches:
+        ax.annotate(f"{b * steps_per_s:,.0f}", (b, b * steps_per_s), xytext=(0, 5), textcoords="offset points",
+                    ha="center", fontsize=7, color="0.45")
+    ax.plot(batches, [b * steps_per_s for b in batches], color="0.55", linestyle="--", zorder=0,
+            label=f"weight-read ceiling, an upper bound:\nbatch x {bandwidth_tbs:g} TB/s (measured copy bandwidth)\n"
+                  f"/ {weight_bytes / 1e9:.2f} GB of {doc['dtype']} weights per step")
+
+
+def plot_evidence(ax, doc: dict[str, Any], log_y: bool = False, ceiling_bandwidth_tbs: float | None = None) -> None:
+    """Draw one evidence file on a matplotlib Axes, with the weight-read ceiling if a bandwidth is given."""
     systems = list(dict.fromkeys(r["system"] for r in doc["runs"]))
     batches = sorted({r["batch"] for r in doc["runs"]})
+    if ceiling_bandwidth_tbs is not None:
+        plot_ceiling(ax, doc, ceiling_bandwidth_tbs)
     for system in systems:
         runs = sorted((r for r in doc["runs"] if r["system"] == system), key=lambda r: r["batch"])
         style = STYLES.get(system, {"marker": "o"})
@@ -80,11 +143,34 @@ def plot_evidence(ax, doc: dict[str, Any], log_y: bool = False) -> None:
     ax.set_ylabel("output tokens / s")
     ax.set_title(title_of(doc), fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8)
+    if ceiling_bandwidth_tbs is None:
+        ax.legend(fontsize=8)
+    else:  # the ceiling's line crosses the upper left, where the legend would go: put it beside the plot
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     note = workload_note(doc)
     if note:
         ax.annotate(note, (0, 0), xycoords="axes fraction", xytext=(0, -34), textcoords="offset points",
                     fontsize=7, color="0.35", va="top")
+
+
+def write_plot(files: list[str | Path], output: str | Path, log_y: bool = False,
+               ceiling_bandwidth_tbs: float | None = None) -> Path:
+    """One panel per evidence file, written to `output` (a PNG); returns its path."""
+    from matplotlib.figure import Figure  # no pyplot: no display, and no global backend to change
+
+    docs = [load(f) for f in files]
+    if ceiling_bandwidth_tbs is not None and len({doc.get("device") for doc in docs}) > 1:
+        raise SystemExit("--ceiling-bandwidth-tbs is one device's bandwidth: plot files from that device only")
+    width = 6.4 if ceiling_bandwidth_tbs is None else 9.0  # room for the legend beside each panel
+    fig = Figure(figsize=(width * len(docs), 5.0))
+    axes = fig.subplots(1, len(docs), squeeze=False)
+    for ax, doc in zip(axes[0], docs):
+        plot_evidence(ax, doc, log_y=log_y, ceiling_bandwidth_tbs=ceiling_bandwidth_tbs)
+    fig.tight_layout()
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=120)
+    return output
 
 
 def main() -> int:
@@ -92,25 +178,20 @@ def main() -> int:
     p.add_argument("files", nargs="+", help="compare evidence JSON files (results/compare/*.json)")
     p.add_argument("--output", type=Path, help="PNG to write (default: the single input file with .png)")
     p.add_argument("--log-y", action="store_true", help="log-scale throughput axis too")
+    p.add_argument("--ceiling-bandwidth-tbs", type=float, metavar="TB/S",
+                   help="draw the weight-read ceiling for this memory bandwidth in TB/s (10^12 bytes/s). "
+                        "For the project's NVIDIA H200 runs use 4.2: the device-to-device copy bandwidth "
+                        "measured on the project's H200 machine, counting bytes read plus written, as recorded "
+                        "in the project's environment notes (they give about 4.3 TB/s, 8.6 GB in 2.0 ms: 4.2 "
+                        "draws the ceiling about 2%% lower)")
     args = p.parse_args()
     if args.output is None:
         if len(args.files) != 1:
             p.error("several input files: give --output")
         args.output = Path(args.files[0]).with_suffix(".png")
-
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
-    docs = [load(f) for f in args.files]
-    fig, axes = plt.subplots(1, len(docs), figsize=(6.4 * len(docs), 5.0), squeeze=False)
-    for ax, doc in zip(axes[0], docs):
-        plot_evidence(ax, doc, log_y=args.log_y)
-    fig.tight_layout()
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.output, dpi=120)
-    print(f"wrote {args.output}")
+    if args.ceiling_bandwidth_tbs is not None and args.ceiling_bandwidth_tbs <= 0:
+        p.error("--ceiling-bandwidth-tbs must be positive")
+    print(f"wrote {write_plot(args.files, args.output, args.log_y, args.ceiling_bandwidth_tbs)}")
     return 0
 
 

@@ -21,6 +21,7 @@ import torch
 
 from common.engine import Engine, EngineConfig
 from common.loading import LoadedModel
+from common.model import ForwardContext
 from common.request import Request, RequestOutput, RequestStatus
 from step02_paged_kv.block_allocator import BlockAllocator
 from step02_paged_kv.kv_cache import PagedDecodeForward, PagedKVCache, PagedPrefillForward
@@ -92,12 +93,17 @@ class PagedEngine(Engine):
 
     def step(self) -> list[RequestOutput]:
         decoding = list(self.running)  # already prefilled: each gets one more token this step
-        outputs = []
-        for request in self.admit():
-            outputs += self.prefill(request)
+        outputs = self.prefill_admitted(self.admit())
         if decoding:
             outputs += self.decode(decoding)
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
+        return outputs
+
+    def prefill_admitted(self, requests: list[Request]) -> list[RequestOutput]:
+        """Each newly admitted request is prefilled by a forward of its own."""
+        outputs = []
+        for request in requests:
+            outputs += self.prefill(request)
         return outputs
 
     # ----- running the model ---------------------------------------------------------------------------
@@ -114,6 +120,15 @@ class PagedEngine(Engine):
 
     @torch.inference_mode()
     def decode(self, requests: list[Request]) -> list[RequestOutput]:
+        seq_lens = self.grow_block_tables(requests)
+        ctx = self.make_decode_context(requests, seq_lens)
+        input_ids = torch.tensor([r.output_token_ids[-1] for r in requests], device=self.device)
+        hidden = self.model(input_ids, ctx)
+        logits = self.model.compute_logits(hidden)
+        return self.process_tokens(requests, self.sample(logits, requests))
+
+    def grow_block_tables(self, requests: list[Request]) -> list[int]:
+        """Give each request a new block if its next token starts one; return the lengths after this step."""
         seq_lens = []
         for request in requests:
             table = self.block_tables[request.request_id]
@@ -121,12 +136,11 @@ class PagedEngine(Engine):
             if self.cache.blocks_for(length) > len(table):
                 table += self.allocator.allocate(1)  # crossing into a new block
             seq_lens.append(length)
+        return seq_lens
+
+    def make_decode_context(self, requests: list[Request], seq_lens: list[int]) -> ForwardContext:
         tables = [self.block_tables[r.request_id] for r in requests]
-        ctx = self.decode_context(self.cache, tables, seq_lens, self.device)
-        input_ids = torch.tensor([r.output_token_ids[-1] for r in requests], device=self.device)
-        hidden = self.model(input_ids, ctx)
-        logits = self.model.compute_logits(hidden)
-        return self.process_tokens(requests, self.sample(logits, requests))
+        return self.decode_context(self.cache, tables, seq_lens, self.device)
 
     def free_request(self, request: Request) -> None:
         table = self.block_tables.pop(request.request_id, None)

@@ -16,12 +16,14 @@ from common.engine import Engine
 from step01_serial.engine import SerialEngine
 from step02_paged_kv.engine import PagedEngine
 from step03_vectorized_gather.engine import VectorizedGatherEngine
+from step06_paged_attention.engine import PagedAttentionEngine
 
-# Every step the server can drive; the last is the most capable and the default.
+# Every step the server can drive. The default is the most capable one whose GPU path has been measured.
 STEPS: dict[str, type[Engine]] = {
     "step01_serial": SerialEngine,
     "step02_paged_kv": PagedEngine,
     "step03_vectorized_gather": VectorizedGatherEngine,
+    "step06_paged_attention": PagedAttentionEngine,
 }
 DEFAULT_STEP = "step03_vectorized_gather"
 

@@ -1,0 +1,178 @@
+"""Attention backends: how one layer's attention reads and writes the paged KV cache.
+
+Every backend gets the same `AttentionMetadata`, built once per forward by the engine, and one layer's K and
+V pools (`[num_blocks, block_size, kv_heads, head_dim]`). Three implementations:
+
+- `torch`: the reference, on any device. It still gathers (PyTorch has no paged attention), so it is the
+  oracle for the others, not a speed-up.
+- `triton`: our own kernels (`triton_kernels.py`): attention reads K/V through the block table in place.
+- `flash_attn`: the flash-attn package's paged API, where it is installed (its block size must be a
+  multiple of 256).
+
+`--attn auto` picks flash_attn if importable on CUDA, else triton on CUDA, else torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One forward's view of the batch. Device tensors for the kernels, and the host-side figures as plain
+    ints, computed once by the engine so that no layer ever has to ask the device for them."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [new tokens]: where each new token's K/V is stored
+    block_table: torch.Tensor  # [batch, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [batch] int32: each sequence's length after this forward
+    cu_q_lens: torch.Tensor  # [batch + 1] int32: offsets of each request's new tokens, laid end to end
+    q_lens: list[int]  # new tokens per request (host)
+    seq_lens_host: list[int]  # the same lengths as `seq_lens` (host)
+    max_q_len: int
+    max_seq_len: int
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """Store the new tokens' K/V at their slots: one scatter for the whole batch."""
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+
+    @abstractmethod
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """q: [batch, heads, head_dim], one new token per request. Returns the same shape."""
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [new tokens, heads, head_dim], requests end to end, each attending causally to its cached
+        prefix and itself. Returns the same shape."""
+
+
+class TorchBackend(AttentionBackend):
+    """The reference: gather each sequence out of the pool, then PyTorch's scaled_dot_product_attention."""
+
+    name = "torch"
+
+    @staticmethod
+    def gather(cache: torch.Tensor, meta: AttentionMetadata, width: int) -> torch.Tensor:
+        """[batch, width, kv_heads, head_dim]: every sequence's first `width` slots, in order."""
+        blocks = -(-width // meta.block_size)
+        rows = cache[meta.block_table[:, :blocks].long()]  # [batch, blocks, block_size, kv_heads, head_dim]
+        return rows.flatten(1, 2)[:, :width]
+
+    def decode(self, q, k_cache, v_cache, meta):
+        keys = self.gather(k_cache, meta, meta.max_seq_len).transpose(1, 2)
+        values = self.gather(v_cache, meta, meta.max_seq_len).transpose(1, 2)
+        key_pos = torch.arange(meta.max_seq_len, device=q.device)
+        mask = (key_pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True)
+        return out[:, :, 0, :]
+
+    def prefill(self, q, k_cache, v_cache, meta):
+        keys = self.gather(k_cache, meta, meta.max_seq_len)
+        values = self.gather(v_cache, meta, meta.max_seq_len)
+        out = torch.empty_like(q)
+        start = 0
+        for i, (n, length) in enumerate(zip(meta.q_lens, meta.seq_lens_host)):
+            # The new tokens sit at positions length - n .. length - 1 and see every key up to their own.
+            key_pos = torch.arange(length, device=q.device)
+            query_pos = torch.arange(length - n, length, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            rows = slice(start, start + n)
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1), keys[i, :length].transpose(0, 1), values[i, :length].transpose(0, 1),
+                attn_mask=mask, enable_gqa=True,
+            ).transpose(0, 1)
+            start += n
+        return out
+
+
+class TritonBackend(AttentionBackend):
+    """Our kernels: no gather, no dense copy; K/V read through the block table inside the kernel."""
+
+    name = "triton"
+
+    def __init__(self, num_sms: int) -> None:
+        from step06_paged_attention import triton_kernels
+
+        self.kernels = triton_kernels
+        self.num_sms = num_sms
+
+    def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
+        """Split long sequences when batch x KV heads alone would leave most of the GPU idle."""
+        wanted = -(-2 * self.num_sms // (batch * kv_heads))
+        return max(1, min(wanted, max_seq_len // 256, 16))
+
+    def write_kv(self, k_cache, v_cache, k, v, meta):
+        self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def decode(self, q, k_cache, v_cache, meta):
+        splits = self.num_splits(q.shape[0], k_cache.shape[2], meta.max_seq_len)
+        return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, num_splits=splits)
+
+    def prefill(self, q, k_cache, v_cache, meta):
+        return self.kernels.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens,
+                                          meta.max_q_len)
+
+
+class FlashAttnBackend(AttentionBackend):
+    """flash-attn's paged kernels (`flash_attn_with_kvcache`, `flash_attn_varlen_func` with a block table)."""
+
+    name = "flash_attn"
+
+    def __init__(self, block_size: int) -> None:
+        if block_size % 256:
+            raise ValueError(f"flash-attn's paged KV cache needs a block size that is a multiple of 256, "
+                             f"got {block_size}: pass --block-size 256")
+        import flash_attn
+
+        self.fa = flash_attn
+
+    def decode(self, q, k_cache, v_cache, meta):
+        out = self.fa.flash_attn_with_kvcache(q[:, None], k_cache, v_cache, cache_seqlens=meta.seq_lens,
+                                              block_table=meta.block_table, causal=True)
+        return out[:, 0]
+
+    def prefill(self, q, k_cache, v_cache, meta):
+        cu_k = torch.zeros(len(meta.seq_lens_host) + 1, dtype=torch.int32, device=q.device)
+        cu_k[1:] = meta.seq_lens.cumsum(0)
+        return self.fa.flash_attn_varlen_func(q, k_cache, v_cache, meta.cu_q_lens, cu_k, meta.max_q_len,
+                                              meta.max_seq_len, causal=True, block_table=meta.block_table)
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+
+
+def create_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}")
+    on_cuda = device.type == "cuda"
+    if name == "auto":
+        if on_cuda and importlib.util.find_spec("flash_attn") is not None and block_size % 256 == 0:
+            name = "flash_attn"
+        elif on_cuda and importlib.util.find_spec("triton") is not None:
+            name = "triton"
+        else:
+            name = "torch"
+    if name == "torch":
+        return TorchBackend()
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("--attn triton needs the triton package (Linux x86-64): pip install triton")
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if on_cuda else 1
+        return TritonBackend(sms)
+    if not on_cuda or importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("--attn flash_attn needs a CUDA device and the flash-attn package (pip install flash-attn)")
+    return FlashAttnBackend(block_size)

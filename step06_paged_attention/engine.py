@@ -1,0 +1,103 @@
+"""Step 06: attention reads K/V straight from the block pool; prompts are prefilled together.
+
+Against step 02/03, `PagedAttentionEngine` changes two things:
+- `make_decode_context`: the decode forward carries `AttentionMetadata` (block table, lengths, slot
+  mapping as device tensors, built once) to an attention backend instead of gathering K/V into a copy;
+- `prefill_admitted`: every request admitted in a step is prefilled in ONE forward, their prompts laid end
+  to end (a variable-length batch), instead of one forward each.
+Scheduling, the block allocator and the pool are step 02's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.loading import LoadedModel
+from common.model import ForwardContext
+from common.request import Request, RequestOutput
+from step02_paged_kv.engine import PagedEngine, PagedEngineConfig
+from step02_paged_kv.kv_cache import PagedKVCache
+from step06_paged_attention.backends import AttentionBackend, AttentionMetadata, create_backend
+
+
+@dataclass
+class PagedAttentionEngineConfig(PagedEngineConfig):
+    attn: str = "auto"  # auto | torch | triton | flash_attn
+    sync_per_layer: bool = False  # ablation: recompute the longest length with .item() in every layer
+
+
+class PagedAttentionForward(ForwardContext):
+    def __init__(self, cache: PagedKVCache, backend: AttentionBackend, meta: AttentionMetadata,
+                 positions: torch.Tensor, sync_per_layer: bool = False) -> None:
+        self.cache = cache
+        self.backend = backend
+        self.meta = meta
+        self.positions = positions
+        self.sync_per_layer = sync_per_layer
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        if self.sync_per_layer:
+            # The original series' bug, kept as a switch to measure it: asking the device for a figure the
+            # host already knows stalls the CPU until the GPU has finished all queued work, in every layer.
+            meta.max_seq_len = int(meta.seq_lens.max().item())
+        k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        self.backend.write_kv(k_cache, v_cache, k, v, meta)
+        if meta.is_prefill:
+            return self.backend.prefill(q, k_cache, v_cache, meta)
+        return self.backend.decode(q, k_cache, v_cache, meta)
+
+
+class PagedAttentionEngine(PagedEngine):
+    config_class = PagedAttentionEngineConfig
+
+    def __init__(self, loaded: LoadedModel, config: PagedAttentionEngineConfig) -> None:
+        super().__init__(loaded, config)
+        self.backend = create_backend(config.attn, self.device, config.block_size)
+
+    def build_metadata(self, requests: list[Request], q_lens: list[int], seq_lens: list[int],
+                       is_prefill: bool) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Everything the layers need, as tensors built in one go; returns it with the token positions."""
+        device, size = self.device, self.cache.block_size
+        tables = [self.block_tables[r.request_id] for r in requests]
+        width = max(len(t) for t in tables)
+        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+        q_lens_t = torch.tensor(q_lens, device=device)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        cu_q_lens = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=device)
+        cu_q_lens[1:] = q_lens_t.cumsum(0)
+        # Each new token's request and position; its slot follows from the block table.
+        owner = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens_t)
+        first_new = seq_lens_t.long() - q_lens_t
+        positions = first_new[owner] + torch.arange(int(sum(q_lens)), device=device) - cu_q_lens[:-1].long()[owner]
+        slots = block_table[owner, positions // size].long() * size + positions % size
+        meta = AttentionMetadata(
+            is_prefill=is_prefill, slot_mapping=slots, block_table=block_table, seq_lens=seq_lens_t,
+            cu_q_lens=cu_q_lens, q_lens=q_lens, seq_lens_host=seq_lens, max_q_len=max(q_lens),
+            max_seq_len=max(seq_lens), block_size=size,
+        )
+        return meta, positions
+
+    def context(self, meta: AttentionMetadata, positions: torch.Tensor) -> PagedAttentionForward:
+        return PagedAttentionForward(self.cache, self.backend, meta, positions, self.config.sync_per_layer)
+
+    def make_decode_context(self, requests: list[Request], seq_lens: list[int]) -> ForwardContext:
+        meta, positions = self.build_metadata(requests, [1] * len(requests), seq_lens, is_prefill=False)
+        return self.context(meta, positions)
+
+    @torch.inference_mode()
+    def prefill_admitted(self, requests: list[Request]) -> list[RequestOutput]:
+        if not requests:
+            return []
+        token_ids = [r.all_token_ids for r in requests]  # nothing of these requests is cached yet
+        lens = [len(t) for t in token_ids]
+        for request, n in zip(requests, lens):
+            self.block_tables[request.request_id] = self.allocator.allocate(self.cache.blocks_for(n))
+        meta, positions = self.build_metadata(requests, lens, lens, is_prefill=True)
+        flat = torch.tensor([t for ids in token_ids for t in ids], device=self.device)
+        hidden = self.model(flat, self.context(meta, positions))
+        last = meta.cu_q_lens[1:].long() - 1  # each request's last prompt token predicts its first output
+        logits = self.model.compute_logits(hidden[last])
+        return self.process_tokens(requests, self.sample(logits, requests))

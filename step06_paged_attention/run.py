@@ -1,0 +1,28 @@
+"""Step 06: paged attention (no gather, no copy) and one batched prefill for all admitted requests.
+
+Examples:
+    python step06_paged_attention/run.py --dry-run                     # torch backend on CPU, parity with HF
+    python step06_paged_attention/run.py --dry-run --attn triton       # our kernels (Triton's interpreter on CPU)
+    python step06_paged_attention/run.py                               # embedded model, checked against HF
+    python step06_paged_attention/run.py --bench --device cuda --model random:qwen2.5-7b --attn triton
+"""
+
+import argparse
+
+from common.cli import main
+from step02_paged_kv.run import add_paged_arguments
+from step06_paged_attention.backends import ATTENTION_BACKENDS
+from step06_paged_attention.engine import PagedAttentionEngine
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_paged_arguments(parser)
+    attention = parser.add_argument_group("paged attention")
+    attention.add_argument("--attn", choices=ATTENTION_BACKENDS, default="auto",
+                           help="auto: flash_attn if importable on CUDA, else triton on CUDA, else torch")
+    attention.add_argument("--sync-per-layer", action="store_true",
+                           help="ablation: read the longest length back with .item() in every layer")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(PagedAttentionEngine, "step06_paged_attention", __doc__, add_arguments=add_arguments))
