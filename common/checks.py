@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.engine import Engine
+from common.loading import LoadedModel
 from common.reference import ParityReport, compare_greedy, hf_model_for, reference_greedy
 from common.request import Completion
 from common.sampling import SamplingParams
@@ -40,4 +41,19 @@ def check_against_reference(
     for prompt, completion in zip(prompts, completions, strict=True):
         theirs = reference_greedy(hf, prompt, max_tokens, engine.eos_token_ids)
         reports.append(compare_greedy(hf, prompt, completion.token_ids, theirs))
+    return reports
+
+
+def compare_engines(
+    loaded: LoadedModel, prompts: Sequence[Sequence[int]], ours: Sequence[Completion], theirs: Sequence[Completion]
+) -> list[ParityReport]:
+    """Compare two engines' greedy completions; where they differ, measure the tie under HF (loaded lazily)."""
+    hf = None
+    reports = []
+    for prompt, a, b in zip(prompts, ours, theirs, strict=True):
+        if a.token_ids == b.token_ids:
+            reports.append(ParityReport(equal=True))
+            continue
+        hf = hf or hf_model_for(loaded)
+        reports.append(compare_greedy(hf, prompt, a.token_ids, b.token_ids))
     return reports
