@@ -52,14 +52,14 @@ class Workload:
 
 
 def fixed_workload(batch: int, prompt_len: int = 32, output_len: int = 128, seed: int = 0) -> Workload:
-    """The original series' workload: `batch` prompts of `prompt_len` tokens, `output_len` new tokens each."""
+    """The standard workload: `batch` prompts of `prompt_len` tokens, `output_len` new tokens each."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(*_PROMPT_ID_RANGE) for _ in range(prompt_len)] for _ in range(batch)]
     return Workload(f"batch{batch}_in{prompt_len}_out{output_len}", prompts, [output_len] * batch)
 
 
 def nanovllm_workload(num_seqs: int = 256, min_len: int = 100, max_len: int = 1024, seed: int = 0) -> Workload:
-    """nano-vllm's offline workload: input and output lengths uniform in [min_len, max_len]."""
+    """A large offline workload: input and output lengths uniform in [min_len, max_len]."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(*_PROMPT_ID_RANGE) for _ in range(rng.randint(min_len, max_len))] for _ in range(num_seqs)]
     outputs = [rng.randint(min_len, max_len) for _ in range(num_seqs)]

@@ -40,7 +40,7 @@ class PagedAttentionForward(ForwardContext):
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         if self.sync_per_layer:
-            # The original series' bug, kept as a switch to measure it: asking the device for a figure the
+            # A classic bug, kept as a switch to measure it: asking the device for a figure the
             # host already knows stalls the CPU until the GPU has finished all queued work, in every layer.
             meta.max_seq_len = int(meta.seq_lens.max().item())
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
