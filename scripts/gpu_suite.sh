@@ -45,6 +45,12 @@ checkpoint_memory() {
     --output "$OUT/checkpoint-load-memory-qwen2.5-7b.json"
 }
 
+kernel_bench() {
+  echo "== step06: the paged decode kernel checked, then timed against the copy bandwidth and dense SDPA"
+  python step06_paged_attention/run.py --kernel-bench --batches 1,8,16,32,64 --contexts 128,512,2048,8192 \
+    --output "$OUT/kernel-bench-cuda-qwen2.5-7b-heads.json"
+}
+
 serve() {
   echo "== step08: concurrency through the openai SDK, and the server against the bare engine"
   python step08_serve/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,2,4,8,16,32 \
@@ -52,5 +58,5 @@ serve() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity step01_bench compare checkpoint_memory serve)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare checkpoint_memory serve)
 for section in "${sections[@]}"; do "$section"; done

@@ -5,9 +5,11 @@ Examples:
     python step06_paged_attention/run.py --dry-run --attn triton       # our kernels (Triton's interpreter on CPU)
     python step06_paged_attention/run.py                               # embedded model, checked against HF
     python step06_paged_attention/run.py --bench --device cuda --model random:qwen2.5-7b --attn triton
+    python step06_paged_attention/run.py --kernel-bench                # kernels checked, then timed (CUDA)
 """
 
 import argparse
+import sys
 
 from common.cli import main
 from step02_paged_kv.run import add_paged_arguments
@@ -25,4 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
+    if "--kernel-bench" in sys.argv:  # a mode of its own, with its own options (see kernel_bench.py)
+        from step06_paged_attention.kernel_bench import main as kernel_bench
+
+        raise SystemExit(kernel_bench([a for a in sys.argv[1:] if a != "--kernel-bench"]))
     raise SystemExit(main(PagedAttentionEngine, "step06_paged_attention", __doc__, add_arguments=add_arguments))

@@ -1,0 +1,132 @@
+"""Check, then time, the paged decode kernel over a sweep of batch sizes and context lengths.
+
+For every point: random bf16 (or fp32) K/V in a pool with shuffled block tables; the kernel's output is
+first compared with the float32 torch reference (a point that fails is reported and not timed); then the
+kernel, and torch SDPA on the same K/V laid out densely, are timed with CUDA events (median of many
+calls). Achieved bandwidth counts the K/V bytes one call must read. The device's copy bandwidth is
+measured in the same run, as the ceiling. Writes JSON evidence.
+
+    python step06_paged_attention/run.py --kernel-bench                    # on a CUDA machine
+    python step06_paged_attention/kernel_bench.py --batches 1,8 --contexts 128,2048 --output out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common.bench import evidence_header
+from common.config import load_bundled_config
+from step06_paged_attention import triton_kernels
+from step06_paged_attention.backends import TritonBackend
+
+
+def timed_ms(fn, repeats: int) -> float:
+    """Median milliseconds of `fn()` over `repeats` calls, each timed with CUDA events."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(device: torch.device, gigabytes: float = 2.0) -> float:
+    """Device-to-device copy: bytes read plus bytes written, per second."""
+    src = torch.empty(int(gigabytes * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timed_ms(lambda: dst.copy_(src), 20)
+    return 2 * src.numel() / (ms * 1e-3) / 1e9
+
+
+def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                dtype: torch.dtype, device: torch.device, splits: int, repeats: int) -> dict:
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    order = list(range(num_blocks))
+    random.Random(batch * 7919 + context).shuffle(order)
+    table = torch.tensor(order, device=device, dtype=torch.int32).view(batch, blocks_per_seq)
+    lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+
+    out = triton_kernels.paged_decode(q, k_cache, v_cache, table, lens, num_splits=splits)
+    dense_k = k_cache[table.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()  # [b, kvh, ctx, d]
+    dense_v = v_cache[table.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    reference = F.scaled_dot_product_attention(q.float()[:, :, None], dense_k.float(), dense_v.float(),
+                                               enable_gqa=True)[:, :, 0]
+    error = (out.float() - reference).abs().max().item()
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    row = {"batch": batch, "context": context, "splits": splits, "max_abs_error": error, "correct": error <= tolerance}
+    if not row["correct"]:
+        return row
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * k_cache.element_size()
+    kernel_ms = timed_ms(lambda: triton_kernels.paged_decode(q, k_cache, v_cache, table, lens, num_splits=splits),
+                         repeats)
+    sdpa_ms = timed_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, enable_gqa=True),
+                       repeats)
+    row |= {
+        "kv_megabytes": kv_bytes / 1e6,
+        "kernel_ms": kernel_ms, "kernel_gbs": kv_bytes / (kernel_ms * 1e-3) / 1e9,
+        "sdpa_dense_ms": sdpa_ms, "sdpa_dense_gbs": kv_bytes / (sdpa_ms * 1e-3) / 1e9,
+        "kernel_vs_sdpa": sdpa_ms / kernel_ms,
+    }
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="qwen2.5-7b", help="the head layout to use (a bundled config name)")
+    p.add_argument("--batches", default="1,8,16,32,64")
+    p.add_argument("--contexts", default="128,512,2048,8192")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--output", type=Path, default=Path("results/step06_paged_attention/kernel-bench-cuda.json"))
+    args, _ = p.parse_known_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the kernel benchmark times CUDA kernels: run it on a GPU machine", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    config = load_bundled_config(args.config)
+    backend = TritonBackend(torch.cuda.get_device_properties(device).multi_processor_count)
+    header = evidence_header(device, f"heads of {args.config}", dtype, block_size=args.block_size,
+                             heads=config.num_heads, kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    header["copy_bandwidth_gbs"] = copy_bandwidth_gbs(device)
+    print(f"copy bandwidth: {header['copy_bandwidth_gbs']:.0f} GB/s")
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            splits = backend.num_splits(batch, config.num_kv_heads, context)
+            row = bench_point(batch, context, config.num_heads, config.num_kv_heads, config.head_dim,
+                              args.block_size, dtype, device, splits, args.repeats)
+            if row["correct"]:
+                row["kernel_vs_copy"] = row["kernel_gbs"] / header["copy_bandwidth_gbs"]
+                print(f"batch {batch:3d} context {context:5d} splits {splits:2d}: {row['kernel_gbs']:7.0f} GB/s "
+                      f"({100 * row['kernel_vs_copy']:.0f}% of copy), SDPA dense {row['sdpa_dense_gbs']:7.0f} GB/s, "
+                      f"kernel {row['kernel_vs_sdpa']:.2f}x SDPA", flush=True)
+            else:
+                print(f"batch {batch:3d} context {context:5d}: WRONG (max abs error {row['max_abs_error']:.3g}), not timed")
+            rows.append(row)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(header | {"points": rows}, indent=2) + "\n")
+    print(f"wrote {args.output}")
+    return 0 if all(r["correct"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
