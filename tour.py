@@ -14,6 +14,7 @@ from step01_serial.engine import SerialEngine
 from step02_paged_kv.engine import PagedEngine
 from step03_vectorized_gather.engine import VectorizedGatherEngine
 from step06_paged_attention.engine import PagedAttentionEngine
+from step07_preemption.engine import PreemptionEngine
 
 # (step folder, what it teaches, its engine): one line per finished step.
 STEPS: list[tuple[str, str, type[Engine]]] = [
@@ -22,6 +23,7 @@ STEPS: list[tuple[str, str, type[Engine]]] = [
     ("step03_vectorized_gather", "step02 with one vectorized gather instead of loops", VectorizedGatherEngine),
     ("step06_paged_attention", "attention backends over the block table, one batched prefill (torch backend on CPU)",
      PagedAttentionEngine),
+    ("step07_preemption", "optimistic admission, preemption by recompute or swap, priorities", PreemptionEngine),
 ]
 MAX_TOKENS = 32
 

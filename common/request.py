@@ -18,6 +18,7 @@ from common.tokenizer import IncrementalDetokenizer, Tokenizer
 class RequestStatus(Enum):
     WAITING = "waiting"  # queued, holds no KV cache
     RUNNING = "running"  # admitted: its KV cache lives on the device
+    SWAPPED = "swapped"  # preempted (step07): its KV cache is parked in host memory
     FINISHED = "finished"
 
 

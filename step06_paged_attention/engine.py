@@ -94,7 +94,8 @@ class PagedAttentionEngine(PagedEngine):
         token_ids = [r.all_token_ids for r in requests]  # nothing of these requests is cached yet
         lens = [len(t) for t in token_ids]
         for request, n in zip(requests, lens):
-            self.block_tables[request.request_id] = self.allocator.allocate(self.cache.blocks_for(n))
+            if request.request_id not in self.block_tables:  # a scheduler may have allocated them already
+                self.block_tables[request.request_id] = self.allocator.allocate(self.cache.blocks_for(n))
         meta, positions = self.build_metadata(requests, lens, lens, is_prefill=True)
         flat = torch.tensor([t for ids in token_ids for t in ids], device=self.device)
         hidden = self.model(flat, self.context(meta, positions))

@@ -17,6 +17,7 @@ from step01_serial.engine import SerialEngine
 from step02_paged_kv.engine import PagedEngine
 from step03_vectorized_gather.engine import VectorizedGatherEngine
 from step06_paged_attention.engine import PagedAttentionEngine
+from step07_preemption.engine import PreemptionEngine
 
 # Every step the server can drive. The default is the most capable one whose GPU path has been measured.
 STEPS: dict[str, type[Engine]] = {
@@ -24,6 +25,7 @@ STEPS: dict[str, type[Engine]] = {
     "step02_paged_kv": PagedEngine,
     "step03_vectorized_gather": VectorizedGatherEngine,
     "step06_paged_attention": PagedAttentionEngine,
+    "step07_preemption": PreemptionEngine,  # honours each request's `priority`
 }
 DEFAULT_STEP = "step03_vectorized_gather"
 

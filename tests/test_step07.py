@@ -1,0 +1,154 @@
+"""step07_preemption: outputs unchanged under budgets far too small, priorities, and nothing left behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.engine import EngineConfig
+from common.loading import LoadedModel, load_model
+from common.prompts import PARITY_PROMPTS
+from common.reference import compare_greedy
+from common.request import RequestStatus
+from common.sampling import SamplingParams
+from step01_serial.engine import SerialEngine
+from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
+from tests.conftest import PARITY_MAX_TOKENS
+
+
+def run_checked(engine: PreemptionEngine, prompts: list[list[int]], params: SamplingParams,
+                priorities: list[int] | None = None) -> tuple[list[list[int]], list[str]]:
+    """Run to completion while checking, at every step, that what was emitted never changes and that no
+    block is owned twice. Returns each request's tokens and the order in which requests finished."""
+    ids = [engine.add_request(p, params, priority=(priorities or [0] * len(prompts))[i]) for i, p in enumerate(prompts)]
+    requests = {rid: engine.requests[rid] for rid in ids}
+    streamed = {rid: "" for rid in ids}
+    tokens_seen = {rid: [] for rid in ids}
+    finished: list[str] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed[out.request_id] += out.new_text
+            if out.finished:
+                finished.append(out.request_id)
+        for rid, request in requests.items():
+            assert request.output_token_ids[: len(tokens_seen[rid])] == tokens_seen[rid], "a token changed"
+            tokens_seen[rid] = list(request.output_token_ids)
+        owned = [b for t in engine.block_tables.values() for b in t]
+        assert len(owned) == len(set(owned)) and set(owned) == engine.allocator.owned
+    assert sorted(finished) == sorted(ids), "a request was lost or finished twice"
+    for rid, request in requests.items():
+        assert streamed[rid] == request.text  # the streamed text is exactly the final text
+    assert_nothing_left(engine)
+    return [requests[rid].output_token_ids for rid in ids], finished
+
+
+def assert_nothing_left(engine: PreemptionEngine) -> None:
+    assert not engine.requests and not engine.running and not engine.waiting and not engine.swapped
+    assert engine.allocator.num_used == 0 and not engine.block_tables
+    assert not engine.host_kv, "host (pinned) memory of a swapped request was not released"
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+@pytest.mark.parametrize("extra_blocks", [0, 3])
+def test_far_too_small_budget_changes_no_output(tiny: LoadedModel, preempt: str, extra_blocks: int) -> None:
+    """Eight requests in a pool barely larger than the longest one (which alone needs over half of it)."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
+    params = SamplingParams(max_tokens=24)
+    expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(prompts, params)]
+    longest_blocks = -(-(max(len(p) for p in prompts) + 24) // 4)
+    engine = PreemptionEngine(tiny, PreemptionEngineConfig(device="cpu", block_size=4, attn="torch",
+                                                            num_blocks=longest_blocks + extra_blocks, preempt=preempt))
+    assert longest_blocks > engine.cache.num_blocks / 2
+    outputs, _ = run_checked(engine, prompts, params)
+    assert outputs == expected
+    assert engine.preemptions >= 2
+    if preempt == "swap":
+        stats = engine.swapper.stats
+        assert stats.swapped_out_blocks == stats.swapped_in_blocks > 0
+
+
+def test_admitted_but_never_prefilled_is_put_back() -> None:
+    """A is decoding and needs a new block in the very step B is admitted with the last free blocks:
+    B, the most recently admitted, is preempted before its prefill ever ran, and simply waits again."""
+    tiny = load_model("tiny-llama")
+    a, b = [11, 12, 13, 14], [21, 22, 23, 24, 25, 26, 27, 28]
+    expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(
+        [a, b], [SamplingParams(max_tokens=7), SamplingParams(max_tokens=4)])]
+    engine = PreemptionEngine(tiny, PreemptionEngineConfig(device="cpu", block_size=4, num_blocks=3, attn="torch"))
+    first = engine.add_request(a, SamplingParams(max_tokens=7))
+    engine.step()  # A prefilled: 4 tokens cached in its one block, its 5th token needs a second block
+    second = engine.add_request(b, SamplingParams(max_tokens=4))
+    engine.step()  # B takes the last two blocks, then A needs one: B is un-admitted, A decodes
+    assert engine.unadmissions == 1 and engine.preemptions == 0
+    assert engine.requests[second].status is RequestStatus.WAITING and not engine.requests[second].output_token_ids
+    requests = [engine.requests[first], engine.requests[second]]
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_token_ids for r in requests] == expected
+    assert_nothing_left(engine)
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_important_request_runs_at_once_and_finishes_first(preempt: str) -> None:
+    """Low-priority requests fill the pool; an important one arrives, runs within one step, finishes
+    first; the preempted ones still produce exactly their tokens."""
+    tiny = load_model("tiny-qwen3")
+    low = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
+    vip = tiny.tokenizer.apply_chat_template("This one is urgent.")
+    params, vip_params = SamplingParams(max_tokens=30), SamplingParams(max_tokens=12)
+    serial = SerialEngine(tiny, EngineConfig(device="cpu"))
+    expected_low = [c.token_ids for c in serial.generate(low, params)]
+    expected_vip = serial.generate([vip], vip_params)[0].token_ids
+    per_request = -(-(max(len(p) for p in low + [vip]) + 30) // 4)
+    engine = PreemptionEngine(tiny, PreemptionEngineConfig(device="cpu", block_size=4, attn="torch",
+                                                            num_blocks=2 * per_request, preempt=preempt))
+    low_ids = [engine.add_request(p, params, priority=5) for p in low]
+    low_requests = [engine.requests[i] for i in low_ids]
+    for _ in range(3):
+        engine.step()
+    assert engine.allocator.num_free < per_request and not any(r.finished for r in low_requests)
+    vip_id = engine.add_request(vip, vip_params, priority=0)
+    vip_request = engine.requests[vip_id]
+    engine.step()
+    assert vip_request.status is RequestStatus.RUNNING and len(vip_request.output_token_ids) == 1
+    finished_order = []
+    while engine.has_unfinished():
+        finished_order += [o.request_id for o in engine.step() if o.finished]
+    assert finished_order[0] == vip_id
+    assert vip_request.output_token_ids == expected_vip
+    assert [r.output_token_ids for r in low_requests] == expected_low
+    assert engine.preemptions >= 1
+    assert_nothing_left(engine)
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_abort_of_preempted_requests_frees_everything(preempt: str) -> None:
+    tiny = load_model("tiny-llama")
+    engine = PreemptionEngine(tiny, PreemptionEngineConfig(device="cpu", block_size=4, num_blocks=12,
+                                                            attn="torch", preempt=preempt))
+    ids = [engine.add_request([30 + i] * 9, SamplingParams(max_tokens=30)) for i in range(5)]
+    for _ in range(12):
+        engine.step()
+    assert engine.preemptions >= 1
+    for rid in ids:
+        engine.abort(rid)
+    assert_nothing_left(engine)
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_embedded_model_under_a_tight_budget(preempt: str, embedded: LoadedModel, embedded_hf,
+                                             embedded_reference) -> None:
+    """Six of the parity prompts in a pool with room for about two of them at their longest."""
+    reference = embedded_reference[:6]
+    prompts = [ids for ids, _ in reference]
+    longest_blocks = -(-(max(len(p) for p in prompts) + PARITY_MAX_TOKENS) // 8)
+    engine = PreemptionEngine(embedded, PreemptionEngineConfig(device="cpu", block_size=8, attn="torch",
+                                                                num_blocks=2 * longest_blocks, preempt=preempt))
+    outputs, _ = run_checked(engine, prompts, SamplingParams(max_tokens=PARITY_MAX_TOKENS))
+    assert engine.preemptions >= 2
+    identical = 0
+    for (prompt, theirs), ours in zip(reference, outputs):
+        report = compare_greedy(embedded_hf, prompt, ours, theirs)
+        assert report.ok, report.describe()
+        identical += report.equal
+    assert identical >= len(prompts) - 1
