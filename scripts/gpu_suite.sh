@@ -51,6 +51,12 @@ kernel_bench() {
     --output "$OUT/kernel-bench-cuda-qwen2.5-7b-heads.json"
 }
 
+preempt() {
+  echo "== step07: throughput with a generous and a tight budget in both modes, and swap bandwidth"
+  python step07_preemption/bench_preempt.py --model random:qwen2.5-7b --device cuda \
+    --output "$OUT/preempt-cuda-random-qwen2.5-7b.json"
+}
+
 serve() {
   echo "== step08: concurrency through the openai SDK, and the server against the bare engine"
   python step08_serve/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,2,4,8,16,32 \
@@ -58,5 +64,5 @@ serve() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare checkpoint_memory serve)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare checkpoint_memory preempt serve)
 for section in "${sections[@]}"; do "$section"; done
