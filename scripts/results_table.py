@@ -2,6 +2,10 @@
 
     python scripts/results_table.py results/step01_serial/bench-cpu-smollm2-135m-instruct.json
     python scripts/results_table.py --pivot results/compare/cuda-random-qwen2.5-7b.json   # tok/s, batch x system
+    python scripts/results_table.py --refresh README.md step0*/README.md    # rewrite every table from its file
+
+In a README, every table generated here starts with its source line (`<!-- results/....json: ... -->`);
+`--refresh` regenerates each such table in place, and tests/test_results_tables.py fails when one differs.
 """
 
 from __future__ import annotations
@@ -42,14 +46,47 @@ def pivot(path: str, doc: dict) -> list[str]:
     return lines
 
 
+def table_for(path: str, pivoted: bool) -> list[str]:
+    doc = json.load(open(path, encoding="utf-8"))
+    return [source_line(path, doc), *(pivot if pivoted else detailed)(path, doc)]
+
+
+def refresh(markdown_path: str, write: bool) -> list[str]:
+    """Regenerate every evidence table in a markdown file; return the sources of tables that differed."""
+    lines = open(markdown_path, encoding="utf-8").read().split("\n")
+    out, stale, i = [], [], 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("<!-- results/") and line.endswith("-->"):
+            source = line[len("<!-- "):].split(":", 1)[0]
+            end = i + 1
+            while end < len(lines) and lines[end].startswith("|"):
+                end += 1
+            fresh = table_for(source, pivoted=lines[i + 1].startswith("| batch |"))
+            if fresh != lines[i:end]:
+                stale.append(source)
+            out += fresh
+            i = end
+        else:
+            out.append(line)
+            i += 1
+    if write and stale:
+        open(markdown_path, "w", encoding="utf-8").write("\n".join(out))
+    return stale
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+")
     p.add_argument("--pivot", action="store_true", help="output tok/s only, one row per batch, one column per system")
+    p.add_argument("--refresh", action="store_true", help="the files are markdown: rewrite their evidence tables")
     args = p.parse_args()
     for path in args.files:
-        doc = json.load(open(path, encoding="utf-8"))
-        print("\n".join([source_line(path, doc), *(pivot if args.pivot else detailed)(path, doc)]) + "\n")
+        if args.refresh:
+            stale = refresh(path, write=True)
+            print(f"{path}: {len(stale)} table(s) rewritten" if stale else f"{path}: up to date")
+        else:
+            print("\n".join(table_for(path, args.pivot)) + "\n")
 
 
 if __name__ == "__main__":
