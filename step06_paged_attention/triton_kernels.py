@@ -45,6 +45,32 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot,
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """K and V of tokens `t` of one sequence, found through its block table row: [len(t), HEAD_DIM] each."""
+    block = tl.load(TABLE_ROW + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    offs = (block * BLOCK_SIZE + t % BLOCK_SIZE)[:, None] * stride_slot + kv_head * HEAD_DIM + d[None, :]
+    k = tl.load(K_CACHE + offs, mask=valid[:, None], other=0.0)
+    v = tl.load(V_CACHE + offs, mask=valid[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc):
+    """Fold one K/V tile into the running max `m_i`, sum `l_i` and weighted values `acc` (all float32)."""
+    scores = tl.dot(q, tl.trans(k))
+    scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A fully masked row keeps m = -inf; exp(-inf - -inf) would be NaN, so guard with a finite base.
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - base[:, None])
+    alpha = tl.exp(m_i - base)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_decode_split_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L, scale,
     stride_qb, stride_qh, stride_bt, stride_slot, stride_acc_b, stride_acc_h, stride_acc_s,
@@ -72,21 +98,9 @@ def _paged_decode_split_kernel(
     for tile_start in range(start, end, TILE):
         t = tile_start + tl.arange(0, TILE)
         valid = t < end
-        block = tl.load(BLOCK_TABLE + b * stride_bt + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = block * BLOCK_SIZE + t % BLOCK_SIZE
-        offs = slot[:, None] * stride_slot + kv_head * HEAD_DIM + d[None, :]
-        k = tl.load(K_CACHE + offs, mask=valid[:, None], other=0.0)
-        v = tl.load(V_CACHE + offs, mask=valid[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k))  # [GROUP_PAD, TILE], float32
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # A fully masked row keeps m = -inf; exp(-inf - -inf) would be NaN, so guard with a finite base.
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - base[:, None])
-        alpha = tl.exp(m_i - base)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v = _load_kv_tile(K_CACHE, V_CACHE, BLOCK_TABLE + b * stride_bt, t, valid, kv_head, d, stride_slot,
+                             HEAD_DIM, BLOCK_SIZE)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc)
 
     out = ACC + b * stride_acc_b + heads[:, None] * stride_acc_h + split * stride_acc_s + d[None, :]
     tl.store(out, acc, mask=(g < GROUP)[:, None])
@@ -168,20 +182,10 @@ def _paged_prefill_kernel(
         for tile_start in range(0, last, TILE):
             t = tile_start + tl.arange(0, TILE)
             valid = t < last
-            block = tl.load(BLOCK_TABLE + b * stride_bt + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            offs = (block * BLOCK_SIZE + t % BLOCK_SIZE)[:, None] * stride_slot + kv_head * HEAD_DIM + d[None, :]
-            k = tl.load(K_CACHE + offs, mask=valid[:, None], other=0.0)
-            v = tl.load(V_CACHE + offs, mask=valid[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k))
-            allowed = valid[None, :] & (t[None, :] <= pos[:, None])
-            scores = tl.where(allowed, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            base = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - base[:, None])
-            alpha = tl.exp(m_i - base)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            k, v = _load_kv_tile(K_CACHE, V_CACHE, BLOCK_TABLE + b * stride_bt, t, valid, kv_head, d, stride_slot,
+                                 HEAD_DIM, BLOCK_SIZE)
+            allowed = valid[None, :] & (t[None, :] <= pos[:, None])  # causal
+            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])

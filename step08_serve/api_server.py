@@ -233,6 +233,21 @@ def create_app(async_engine: AsyncEngine, served_model: str, model_root: str, ap
             await outputs.aclose()  # a client that left mid-stream lands here: abort what is still running
         yield sse("[DONE]")
 
+    async def respond(request: Request, body: _GenerationFields, prompts: list[list[int]], streams,
+                      make_chunk, make_choice: Callable[[ChoiceResult], dict[str, Any]],
+                      head: dict[str, Any]) -> Response:
+        """The end both endpoints share: an SSE stream, or every choice collected into one JSON body."""
+        if body.stream:
+            return await start_stream(request, body, prompts, streams, make_chunk)
+        choices = await unless_disconnected(request, collect(streams))
+        if choices is None:  # the client left; its engine requests are already aborted
+            return Response(status_code=499)
+        return JSONResponse(head | {
+            "model": served_model,
+            "choices": [make_choice(c) for c in choices],
+            "usage": usage(prompts, sum(len(c.token_ids) for c in choices)),
+        })
+
     # ----- endpoints ------------------------------------------------------------------------------------
 
     @app.post("/v1/chat/completions")
@@ -256,17 +271,12 @@ def create_app(async_engine: AsyncEngine, served_model: str, model_root: str, ap
                         "model": served_model,
                         "choices": [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}]}
 
-            if body.stream:
-                return await start_stream(request, body, prompts, streams, chunk)
-            choices = await unless_disconnected(request, collect(streams))
-            if choices is None:
-                return Response(status_code=499)
-            return JSONResponse({
-                "id": response_id, "object": "chat.completion", "created": created, "model": served_model,
-                "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                             "finish_reason": c.finish_reason, "logprobs": None} for c in choices],
-                "usage": usage(prompts, sum(len(c.token_ids) for c in choices)),
-            })
+            def choice(c: ChoiceResult) -> dict[str, Any]:
+                return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "finish_reason": c.finish_reason, "logprobs": None}
+
+            return await respond(request, body, prompts, streams, chunk, choice,
+                                 {"id": response_id, "object": "chat.completion", "created": created})
 
         return await run_handler(request, handle)
 
@@ -284,17 +294,11 @@ def create_app(async_engine: AsyncEngine, served_model: str, model_root: str, ap
                 return {"id": response_id, "object": "text_completion", "created": created, "model": served_model,
                         "choices": [{"index": index, "text": text, "finish_reason": reason, "logprobs": None}]}
 
-            if body.stream:
-                return await start_stream(request, body, prompts, streams, chunk)
-            choices = await unless_disconnected(request, collect(streams))
-            if choices is None:
-                return Response(status_code=499)
-            return JSONResponse({
-                "id": response_id, "object": "text_completion", "created": created, "model": served_model,
-                "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
-                            for c in choices],
-                "usage": usage(prompts, sum(len(c.token_ids) for c in choices)),
-            })
+            def choice(c: ChoiceResult) -> dict[str, Any]:
+                return {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+
+            return await respond(request, body, prompts, streams, chunk, choice,
+                                 {"id": response_id, "object": "text_completion", "created": created})
 
         return await run_handler(request, handle)
 
