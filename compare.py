@@ -35,13 +35,26 @@ from step02_paged_kv.engine import PagedEngine, PagedEngineConfig
 from step03_vectorized_gather.engine import VectorizedGatherEngine
 from step06_paged_attention.backends import ATTENTION_BACKENDS
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
+from step07_preemption.engine import PreemptionEngine
 
 STEPS: dict[str, type[Engine]] = {
     "step01_serial": SerialEngine,
     "step02_paged_kv": PagedEngine,
     "step03_vectorized_gather": VectorizedGatherEngine,
     "step06_paged_attention": PagedAttentionEngine,
+    "step07_preemption": PreemptionEngine,
 }
+
+
+def parse_max_batch(specs: list[str]) -> dict[str, int]:
+    """`--max-batch step01_serial=8` -> {"step01_serial": 8}: a step is skipped at larger batches."""
+    limits = {}
+    for spec in specs:
+        name, _, value = spec.partition("=")
+        if name not in STEPS or not value.isdigit():
+            raise SystemExit(f"--max-batch takes STEP=N with STEP one of {', '.join(STEPS)}; got {spec!r}")
+        limits[name] = int(value)
+    return limits
 
 
 def main() -> int:
@@ -57,8 +70,12 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--attn", choices=ATTENTION_BACKENDS, default="auto", help="step06's attention backend")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--max-batch", action="append", default=[], metavar="STEP=N",
+                   help="skip STEP above batch N (step01 is serial: its tok/s does not change with batch, "
+                        "only its run time grows); repeatable")
     p.add_argument("--output", type=Path, help="evidence file (default results/compare/<device>-<model>.json)")
     args = p.parse_args()
+    max_batch = parse_max_batch(args.max_batch)
 
     base = PagedEngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size)
     loaded = load_model(args.model, base.resolved_device(), base.resolved_dtype())
@@ -72,7 +89,7 @@ def main() -> int:
     for name in args.steps.split(","):
         engine_class = STEPS[name]
         if issubclass(engine_class.config_class, PagedAttentionEngineConfig):
-            config: EngineConfig = PagedAttentionEngineConfig(**asdict(replace(base, num_blocks=blocks)), attn=args.attn)
+            config: EngineConfig = engine_class.config_class(**asdict(replace(base, num_blocks=blocks)), attn=args.attn)
         elif issubclass(engine_class.config_class, PagedEngineConfig):
             config = replace(base, num_blocks=blocks)
         else:
@@ -82,12 +99,15 @@ def main() -> int:
     device = loaded.model.device
     # Taken before the runs: the commit and dirty flag describe the code that is about to run.
     header = evidence_header(device, args.model, loaded.model.dtype, steps=list(engines), block_size=args.block_size,
-                             num_blocks=blocks, attn=args.attn, repeats=args.repeats,
+                             num_blocks=blocks, attn=args.attn, repeats=args.repeats, max_batch=max_batch,
                              torch_threads=torch.get_num_threads())
     runs = []
     for workload in workloads:
         warmup = Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens])
         for name, engine in engines.items():
+            if len(workload.prompts) > max_batch.get(name, len(workload.prompts)):
+                print(f"[compare] {workload.name} {name}: skipped (--max-batch {name}={max_batch[name]})")
+                continue
             started = time.perf_counter()
             run_engine(engine, warmup, name)
             runs.append(median_of(lambda: run_engine(engine, workload, name), args.repeats))

@@ -251,11 +251,11 @@ def write_evidence(path: str | Path, header: dict[str, Any], runs: Sequence[RunM
 
 def format_table(runs: Sequence[RunMetrics]) -> str:
     baseline = {r.batch: r.output_tok_per_s for r in runs if r.system == "hf-generate"}
-    lines = [f"{'system':<22}{'batch':>6}{'tok/s':>10}{'vs HF':>8}{'TTFT ms':>10}{'TPOT ms':>10}{'peak MB':>10}"]
+    lines = [f"{'system':<26}{'batch':>6}{'tok/s':>10}{'vs HF':>8}{'TTFT ms':>10}{'TPOT ms':>10}{'peak MB':>10}"]
     for r in runs:
         ratio = f"{r.output_tok_per_s / baseline[r.batch]:.2f}x" if r.batch in baseline else "-"
         lines.append(
-            f"{r.system:<22}{r.batch:>6}{r.output_tok_per_s:>10.1f}{ratio:>8}{r.ttft_ms_median:>10.1f}"
+            f"{r.system:<26}{r.batch:>6}{r.output_tok_per_s:>10.1f}{ratio:>8}{r.ttft_ms_median:>10.1f}"
             f"{r.tpot_ms_median:>10.1f}{r.peak_memory_mb:>10.0f}"
         )
     return "\n".join(lines)

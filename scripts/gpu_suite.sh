@@ -35,8 +35,25 @@ step01_bench() {
 
 compare() {
   echo "== every step and HF generate() on one workload: random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
-  python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,4,8,32 --max-tokens 128 \
+  # step01 is serial and step02 loops in Python: past these batches they only take minutes to say the same.
+  python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,8,32,64 --max-tokens 128 \
+    --max-batch step01_serial=8 --max-batch step02_paged_kv=32 \
     --repeats 2 --output "$OUT/compare-cuda-random-qwen2.5-7b.json"
+}
+
+compare_long() {
+  echo "== steps 03, 06 and HF generate() with 1024-token prompts: gathering K/V grows with the context"
+  python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,8,32,64 --prompt-len 1024 \
+    --max-tokens 128 --steps step03_vectorized_gather,step06_paged_attention \
+    --output "$OUT/compare-cuda-random-qwen2.5-7b-prompt1024.json"
+}
+
+sync_ablation() {
+  echo "== step06 with and without a .item() in every layer (the host waits for the GPU 28 times a step)"
+  for sync in "" --sync-per-layer; do
+    python step06_paged_attention/run.py --bench --model random:qwen2.5-7b --device cuda --batch-sizes 1,8,32 \
+      --max-tokens 128 --repeats 2 --no-hf $sync --bench-output "$OUT/sync-ablation${sync:+-sync-per-layer}.json"
+  done
 }
 
 checkpoint_memory() {
@@ -49,6 +66,8 @@ kernel_bench() {
   echo "== step06: the paged decode kernel checked, then timed against the copy bandwidth and dense SDPA"
   python step06_paged_attention/run.py --kernel-bench --batches 1,8,16,32,64 --contexts 128,512,2048,8192 \
     --output "$OUT/kernel-bench-cuda-qwen2.5-7b-heads.json"
+  python step06_paged_attention/run.py --kernel-bench --dtype float32 --batches 1,8,64 --contexts 128,2048,8192 \
+    --output "$OUT/kernel-bench-cuda-qwen2.5-7b-heads-fp32.json"
 }
 
 preempt() {
@@ -64,5 +83,5 @@ serve() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare checkpoint_memory preempt serve)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long sync_ablation checkpoint_memory preempt serve)
 for section in "${sections[@]}"; do "$section"; done
