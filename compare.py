@@ -36,6 +36,7 @@ from step03_vectorized_gather.engine import VectorizedGatherEngine
 from step06_paged_attention.backends import ATTENTION_BACKENDS
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
 from step07_preemption.engine import PreemptionEngine
+from step12_cuda_graph.engine import CudaGraphEngine
 
 STEPS: dict[str, type[Engine]] = {
     "step01_serial": SerialEngine,
@@ -43,6 +44,7 @@ STEPS: dict[str, type[Engine]] = {
     "step03_vectorized_gather": VectorizedGatherEngine,
     "step06_paged_attention": PagedAttentionEngine,
     "step07_preemption": PreemptionEngine,
+    "step12_cuda_graph": CudaGraphEngine,
 }
 
 
@@ -70,6 +72,9 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--attn", choices=ATTENTION_BACKENDS, default="auto", help="step06's attention backend")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--hf-static-max-batch", type=int, default=0, metavar="N",
+                   help="also run HF generate() with a static cache (torch.compile'd on CUDA) up to batch N; "
+                        "each new batch size compiles again, for a minute or so")
     p.add_argument("--max-batch", action="append", default=[], metavar="STEP=N",
                    help="skip STEP above batch N (step01 is serial: its tok/s does not change with batch, "
                         "only its run time grows); repeatable")
@@ -90,6 +95,8 @@ def main() -> int:
         engine_class = STEPS[name]
         if issubclass(engine_class.config_class, PagedAttentionEngineConfig):
             config: EngineConfig = engine_class.config_class(**asdict(replace(base, num_blocks=blocks)), attn=args.attn)
+            if hasattr(config, "max_graph_batch"):  # capture graphs only up to the largest batch measured
+                config.max_graph_batch = max(len(w.prompts) for w in workloads)
         elif issubclass(engine_class.config_class, PagedEngineConfig):
             config = replace(base, num_blocks=blocks)
         else:
@@ -100,6 +107,7 @@ def main() -> int:
     # Taken before the runs: the commit and dirty flag describe the code that is about to run.
     header = evidence_header(device, args.model, loaded.model.dtype, steps=list(engines), block_size=args.block_size,
                              num_blocks=blocks, attn=args.attn, repeats=args.repeats, max_batch=max_batch,
+                             hf_static_max_batch=args.hf_static_max_batch,
                              torch_threads=torch.get_num_threads())
     runs = []
     for workload in workloads:
@@ -117,6 +125,13 @@ def main() -> int:
             run_hf_generate(hf, warmup, pad)
             runs.append(median_of(lambda: run_hf_generate(hf, workload, pad), args.repeats))
             print(f"[compare] {workload.name} hf-generate: {runs[-1].output_tok_per_s:.1f} tok/s", flush=True)
+        if hf is not None and len(workload.prompts) <= args.hf_static_max_batch:
+            started = time.perf_counter()
+            # Warm up on the workload itself: the static cache's length is part of what gets compiled.
+            run_hf_generate(hf, workload, pad, "static")
+            runs.append(median_of(lambda: run_hf_generate(hf, workload, pad, "static"), args.repeats))
+            print(f"[compare] {workload.name} hf-generate-static: {runs[-1].output_tok_per_s:.1f} tok/s "
+                  f"({time.perf_counter() - started:.0f} s with compiling)", flush=True)
     print(format_table(runs))
     output = args.output or Path("results/compare") / f"{device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
     evidence = write_evidence(output, header, runs, workloads)

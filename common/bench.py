@@ -148,8 +148,11 @@ class _TokenClock(BaseStreamer):
 
 
 @torch.inference_mode()
-def run_hf_generate(hf: PreTrainedModel, workload: Workload, pad_token_id: int) -> RunMetrics:
-    """HF generate() on the whole batch at once (left-padded), greedy, forced to the workload's lengths."""
+def run_hf_generate(hf: PreTrainedModel, workload: Workload, pad_token_id: int,
+                    cache_implementation: str | None = None) -> RunMetrics:
+    """HF generate() on the whole batch at once (left-padded), greedy, forced to the workload's lengths.
+    `cache_implementation="static"` preallocates the KV cache, and on CUDA transformers then compiles the
+    forward with torch.compile (its own CUDA graphs included): the fastest plain-transformers path."""
     device = hf.device
     longest = max(len(p) for p in workload.prompts)
     input_ids = torch.full((len(workload.prompts), longest), pad_token_id, dtype=torch.long)
@@ -167,13 +170,14 @@ def run_hf_generate(hf: PreTrainedModel, workload: Workload, pad_token_id: int) 
     hf.generate(
         input_ids=input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
         min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id, streamer=clock,
-        top_k=None, top_p=None, temperature=None,
+        top_k=None, top_p=None, temperature=None, cache_implementation=cache_implementation,
     )
     _sync(device)
     end = time.perf_counter()
     batch = len(workload.prompts)
     # Every sequence of the batch gets its first token at the same moment, and its last at the end.
-    return _metrics("hf-generate", workload, start, end, [clock.calls[1]] * batch, [end] * batch, device)
+    system = "hf-generate" if cache_implementation is None else f"hf-generate-{cache_implementation}"
+    return _metrics(system, workload, start, end, [clock.calls[1]] * batch, [end] * batch, device)
 
 
 def median_of(run: Callable[[], RunMetrics], repeats: int) -> RunMetrics:

@@ -16,16 +16,19 @@ from common.sampling import SamplingParams
 
 
 def staggered_generate(
-    engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams, arrive_every: int = 2
+    engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+    arrive_every: int = 2,
 ) -> list[Completion]:
     """Like `generate`, but request i is added only after `i * arrive_every` steps have run,
     so later requests join while earlier ones are mid-decode (continuous batching's hard case)."""
+    per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     requests = []
     pending = list(enumerate(prompts))
     steps = 0
     while pending or engine.has_unfinished():
         while pending and pending[0][0] * arrive_every <= steps:
-            request_id = engine.add_request(pending.pop(0)[1], params)
+            index, prompt = pending.pop(0)
+            request_id = engine.add_request(prompt, per_prompt[index])
             requests.append(engine.requests[request_id])
         engine.step()
         steps += 1

@@ -82,6 +82,55 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     return -torch.log(-torch.log(uniform))
 
 
+@dataclass
+class SamplingTensors:
+    """Every row's sampling parameters as device tensors: the form a captured CUDA graph can read."""
+
+    temperature: torch.Tensor  # [rows] float32; 1.0 for greedy rows (their scaled logits are unused)
+    top_k: torch.Tensor  # [rows] int64; the vocabulary size where there is no cut
+    top_p: torch.Tensor  # [rows] float32; 1.0 where there is no cut
+    seeds: torch.Tensor  # [rows] int64
+    positions: torch.Tensor  # [rows] int64: the output position of the token being drawn
+    is_greedy: torch.Tensor  # [rows] bool
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], output_positions: Sequence[int], vocab_size: int,
+              device: torch.device) -> SamplingTensors:
+        return cls(
+            temperature=torch.tensor([p.temperature or 1.0 for p in params], device=device),
+            top_k=torch.tensor([p.top_k or vocab_size for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            seeds=torch.tensor([p.seed for p in params], device=device, dtype=torch.int64),
+            positions=torch.tensor(list(output_positions), device=device, dtype=torch.int64),
+            is_greedy=torch.tensor([p.greedy for p in params], device=device),
+        )
+
+
+def sample_rows(logits: torch.Tensor, rows: SamplingTensors, cut: bool = True) -> torch.Tensor:
+    """One token per row, from tensors only (no host decision depends on the values). `cut=False` skips
+    the top-k/top-p sort, which changes nothing when no row asks for a cut."""
+    greedy_ids = logits.argmax(dim=-1)
+    scaled = logits / rows.temperature[:, None]
+    if cut:
+        scaled = top_k_top_p(scaled, rows.top_k, rows.top_p)
+    sampled_ids = (scaled + gumbel_noise(rows.seeds, rows.positions, logits.shape[-1])).argmax(dim=-1)
+    return torch.where(rows.is_greedy, greedy_ids, sampled_ids)
+
+
+def top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set every logit outside each row's top-k and top-p nucleus to -inf."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scaled.device)
+    probs = sorted_logits.softmax(dim=-1)
+    # A token stays if the probability mass strictly before it is below top_p: the first always stays.
+    # top_p = 1 cuts nothing, even where the rounded running sum reaches 1.0 before the last token.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (rank[None, :] >= top_k[:, None]) | ((mass_before >= top_p[:, None]) & (top_p[:, None] < 1))
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+
+
 class Sampler:
     """Samples one token per row of a logits batch for the given per-row parameters."""
 
@@ -89,32 +138,7 @@ class Sampler:
         self, logits: torch.Tensor, params: Sequence[SamplingParams], output_positions: Sequence[int]
     ) -> torch.Tensor:
         """logits: [rows, vocab] float32. Returns token ids [rows] (int64, on the logits' device)."""
-        greedy_ids = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
-            return greedy_ids
-        device = logits.device
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
-        scaled = logits / temperature[:, None]
-        if any(p.top_k or p.top_p < 1 for p in params):
-            scaled = self._top_k_top_p(scaled, params)
-        seeds = torch.tensor([p.seed for p in params], device=device, dtype=torch.int64)
-        positions = torch.tensor(list(output_positions), device=device, dtype=torch.int64)
-        sampled_ids = (scaled + gumbel_noise(seeds, positions, logits.shape[-1])).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=device)
-        return torch.where(is_greedy, greedy_ids, sampled_ids)
-
-    @staticmethod
-    def _top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """Set every logit outside each row's top-k and top-p nucleus to -inf."""
-        vocab = scaled.shape[-1]
-        device = scaled.device
-        top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=device)
-        probs = sorted_logits.softmax(dim=-1)
-        # A token stays if the probability mass strictly before it is below top_p: the first always stays.
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop = (rank[None, :] >= top_k[:, None]) | (mass_before >= top_p[:, None])
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+            return logits.argmax(dim=-1)
+        rows = SamplingTensors.build(params, output_positions, logits.shape[-1], logits.device)
+        return sample_rows(logits, rows, cut=any(p.top_k or p.top_p < 1 for p in params))

@@ -23,7 +23,9 @@ parity() {
     for attn in torch triton; do
       python step06_paged_attention/run.py --dry-run --device cuda --attn "$attn"
     done
-    python -m pytest -q tests/test_triton_kernels.py tests/test_step06.py
+    python step12_cuda_graph/run.py --dry-run --device cuda --attn triton
+    # The embedded model's weights are not carried to the GPU machine: its tests run on CPU in CI.
+    python -m pytest -q -m "not embedded" tests/test_triton_kernels.py tests/test_step06.py tests/test_step12.py
   } 2>&1 | grep -v "Loading weights" | tee "$OUT/dry-run-cuda.txt"
 }
 
@@ -37,7 +39,7 @@ compare() {
   echo "== every step and HF generate() on one workload: random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
   # step01 is serial and step02 loops in Python: past these batches they only take minutes to say the same.
   python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,8,32,64 --max-tokens 128 \
-    --max-batch step01_serial=8 --max-batch step02_paged_kv=32 \
+    --max-batch step01_serial=8 --max-batch step02_paged_kv=8 --hf-static-max-batch 8 \
     --repeats 2 --output "$OUT/compare-cuda-random-qwen2.5-7b.json"
 }
 
@@ -46,6 +48,12 @@ compare_long() {
   python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,8,32,64 --prompt-len 1024 \
     --max-tokens 128 --steps step03_vectorized_gather,step06_paged_attention \
     --output "$OUT/compare-cuda-random-qwen2.5-7b-prompt1024.json"
+}
+
+graphs_large() {
+  echo "== step12 on the 256-sequence workload (lengths uniform in [100, 1024]) on random:qwen3-0.6b"
+  python step12_cuda_graph/run.py --bench --workload nanovllm --model random:qwen3-0.6b --device cuda --no-hf \
+    --bench-output "$OUT/step12-nanovllm-cuda-random-qwen3-0.6b.json"
 }
 
 sync_ablation() {
@@ -83,5 +91,5 @@ serve() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long sync_ablation checkpoint_memory preempt serve)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long graphs_large sync_ablation checkpoint_memory preempt serve)
 for section in "${sections[@]}"; do "$section"; done

@@ -39,14 +39,17 @@ class PagedEngine(Engine):
     # The contexts a forward runs with: step03 swaps in vectorized ones, and nothing else.
     prefill_context = PagedPrefillForward
     decode_context = PagedDecodeForward
+    # Blocks of the pool kept out of the allocator for the engine's own use (step 12 keeps one for padding).
+    reserved_blocks = 0
 
     def __init__(self, loaded: LoadedModel, config: PagedEngineConfig) -> None:
         super().__init__(loaded, config)
         if config.block_size < 1:
             raise ValueError(f"--block-size must be at least 1, got {config.block_size}")
         num_blocks = config.num_blocks or self.blocks_in_budget(config)
-        self.cache = PagedKVCache(self.model.config, num_blocks, config.block_size, self.device, self.model.dtype)
-        self.allocator = BlockAllocator(num_blocks)
+        self.cache = PagedKVCache(self.model.config, num_blocks + self.reserved_blocks, config.block_size,
+                                  self.device, self.model.dtype)
+        self.allocator = BlockAllocator(num_blocks)  # hands out blocks 0 .. num_blocks - 1 only
         self.block_tables: dict[str, list[int]] = {}
         self.peak_blocks_used = 0
         self.scattered_example: tuple[str, list[int], int] | None = None  # a table worth printing, see below
@@ -69,11 +72,11 @@ class PagedEngine(Engine):
 
     def check_request(self, request: Request) -> None:
         need = self.worst_case_blocks(request)
-        if need > self.cache.num_blocks:
+        if need > self.allocator.num_blocks:
             raise ValueError(
                 f"this request may need {need} KV blocks ({len(request.prompt_token_ids)} prompt tokens + "
                 f"max_tokens {request.params.max_tokens}, {self.cache.block_size} tokens a block) but the cache "
-                f"has {self.cache.num_blocks}: raise --num-blocks or lower max_tokens"
+                f"has {self.allocator.num_blocks}: raise --num-blocks or lower max_tokens"
             )
 
     def admit(self) -> list[Request]:
@@ -82,7 +85,7 @@ class PagedEngine(Engine):
         admitted = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             need = self.worst_case_blocks(self.waiting[0])
-            if promised + need > self.cache.num_blocks:
+            if promised + need > self.allocator.num_blocks:
                 break  # first come, first served: later requests wait behind this one
             request = self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -164,7 +167,7 @@ class PagedEngine(Engine):
     def memory_report(self) -> str:
         per_block = PagedKVCache.bytes_per_block(self.model.config, self.cache.block_size, self.model.dtype)
         return (
-            f"KV cache: {self.cache.num_blocks} blocks of {self.cache.block_size} tokens "
-            f"({self.cache.num_blocks * per_block / 2**20:.1f} MiB); at most {self.peak_blocks_used} in use at once "
+            f"KV cache: {self.allocator.num_blocks} blocks of {self.cache.block_size} tokens "
+            f"({self.allocator.num_blocks * per_block / 2**20:.1f} MiB); at most {self.peak_blocks_used} in use at once "
             f"({self.peak_blocks_used * per_block / 2**20:.1f} MiB); {self.allocator.num_used} in use now"
         ) + ("\n" + self.describe_block_table(*self.scattered_example) if self.scattered_example else "")

@@ -45,8 +45,9 @@ class AttentionBackend(ABC):
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:
         """Store the new tokens' K/V at their slots: one scatter for the whole batch."""
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+        slots = meta.slot_mapping.long()  # step 12 keeps it in int32, beside the block table
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
     @abstractmethod
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -111,9 +112,11 @@ class TritonBackend(AttentionBackend):
         self.num_sms = num_sms
 
     def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
-        """Split long sequences when batch x KV heads alone would leave most of the GPU idle."""
-        wanted = -(-2 * self.num_sms // (batch * kv_heads))
-        return max(1, min(wanted, max_seq_len // 256, 16))
+        """Split long sequences when batch x KV heads alone would leave most of the GPU idle: aim for about
+        four programs per multiprocessor (enough loads in flight to cover memory latency), but give each
+        split at least 256 tokens, so that merging the splits stays cheap."""
+        wanted = -(-4 * self.num_sms // (batch * kv_heads))
+        return max(1, min(wanted, max_seq_len // 256, 32))
 
     def write_kv(self, k_cache, v_cache, k, v, meta):
         self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

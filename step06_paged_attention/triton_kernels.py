@@ -44,6 +44,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                 ROW=row, ROW_PAD=triton.next_power_of_2(row))
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs are multiplied exactly, as the float32 reference does (for 16-bit inputs the choice
+    makes no difference)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def _load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot,
                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
@@ -56,9 +62,10 @@ def _load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc):
-    """Fold one K/V tile into the running max `m_i`, sum `l_i` and weighted values `acc` (all float32)."""
-    scores = tl.dot(q, tl.trans(k))
+def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """Fold one K/V tile into the running max `m_i`, sum `l_i` and weighted values `acc` (all float32).
+    PRECISION "ieee" keeps float32 products exact; "tf32" (the default) would round them to 10 bits."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     # A fully masked row keeps m = -inf; exp(-inf - -inf) would be NaN, so guard with a finite base.
@@ -66,7 +73,7 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc):
     p = tl.exp(scores - base[:, None])
     alpha = tl.exp(m_i - base)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
@@ -75,7 +82,7 @@ def _paged_decode_split_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L, scale,
     stride_qb, stride_qh, stride_bt, stride_slot, stride_acc_b, stride_acc_h, stride_acc_s,
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,7 +107,7 @@ def _paged_decode_split_kernel(
         valid = t < end
         k, v = _load_kv_tile(K_CACHE, V_CACHE, BLOCK_TABLE + b * stride_bt, t, valid, kv_head, d, stride_slot,
                              HEAD_DIM, BLOCK_SIZE)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, PRECISION)
 
     out = ACC + b * stride_acc_b + heads[:, None] * stride_acc_h + split * stride_acc_s + d[None, :]
     tl.store(out, acc, mask=(g < GROUP)[:, None])
@@ -144,7 +151,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), block_table.stride(0), kv_heads * head_dim,
         acc.stride(0), acc.stride(1), acc.stride(2),
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, PRECISION=dot_precision(q.dtype),
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(batch, heads)](
@@ -159,6 +166,7 @@ def _paged_prefill_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale,
     stride_qt, stride_qh, stride_bt, stride_slot, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     m_tile = tl.program_id(1)
@@ -185,7 +193,7 @@ def _paged_prefill_kernel(
             k, v = _load_kv_tile(K_CACHE, V_CACHE, BLOCK_TABLE + b * stride_bt, t, valid, kv_head, d, stride_slot,
                                  HEAD_DIM, BLOCK_SIZE)
             allowed = valid[None, :] & (t[None, :] <= pos[:, None])  # causal
-            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -206,5 +214,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, block_table, cu_q_lens, context_lens, out, head_dim**-0.5,
         q.stride(0), q.stride(1), block_table.stride(0), kv_heads * head_dim, out.stride(0), out.stride(1),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE=tile,
+        PRECISION=dot_precision(q.dtype),
     )
     return out

@@ -28,12 +28,13 @@ def assert_same_as_step01(loaded: LoadedModel, prompts: list[list[int]], ours, t
         assert report.ok, report.describe()
 
 
-def check_against_step01(loaded: LoadedModel, attn: str, block_size: int, arrive_every: int) -> None:
+def check_against_step01(loaded: LoadedModel, attn: str, block_size: int, arrive_every: int,
+                         device: str = "cpu") -> None:
     """All prompts at once (one batched prefill of six) or one per step (joining mid-decode)."""
     prompts = [loaded.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:6]]
     params = SamplingParams(max_tokens=8)
-    reference = SerialEngine(loaded, EngineConfig(device="cpu")).generate(prompts, params)
-    engine = PagedAttentionEngine(loaded, PagedAttentionEngineConfig(device="cpu", block_size=block_size,
+    reference = SerialEngine(loaded, EngineConfig(device=device)).generate(prompts, params)
+    engine = PagedAttentionEngine(loaded, PagedAttentionEngineConfig(device=device, block_size=block_size,
                                                                       num_blocks=256, attn=attn))
     ours = staggered_generate(engine, prompts, params, arrive_every=arrive_every)
     assert_same_as_step01(loaded, prompts, ours, reference)
@@ -49,9 +50,10 @@ def test_torch_backend_matches_step01(tiny: LoadedModel, block_size: int, arrive
 @needs_triton
 @pytest.mark.parametrize(("model", "block_size", "arrive_every"), [("tiny-qwen3", 4, 1), ("tiny-llama", 16, 0)])
 def test_triton_backend_matches_step01(model: str, block_size: int, arrive_every: int) -> None:
-    """The engine on our kernels (in Triton's interpreter without a GPU: slow, so two cases here; the
-    kernels' own tests cover the shapes)."""
-    check_against_step01(load_model(model), "triton", block_size, arrive_every)
+    """The engine on our kernels, on the GPU where there is one (in Triton's interpreter otherwise: slow,
+    so two cases here; the kernels' own tests cover the shapes)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_against_step01(load_model(model, device=device), "triton", block_size, arrive_every, device)
 
 
 def test_tight_budget_and_per_layer_sync_change_nothing() -> None:

@@ -1,0 +1,176 @@
+"""Decode steps replayed as CUDA graphs: the host launches one graph instead of a thousand kernels.
+
+A decode step of a 7B model is about a thousand small kernels (per layer: two norms, four projections,
+RoPE, the KV write, attention and its merge, the MLP). Launched one at a time from Python, each costs the
+host several microseconds, and on a slow host the GPU waits: the step lasts as long as the launching. A
+CUDA graph records the kernels of one forward once (`torch.cuda.graph`) and replays all of them with one
+call. What it records is frozen: the same kernels, on the same addresses, with the same shapes and the
+same scalar arguments. Hence everything in this module:
+
+- one graph per batch-size *bucket* (1, 2, 4, 8, then every 16), a batch padded up to the next bucket;
+- inputs at fixed addresses (`StaticDecodeInputs`), overwritten before each replay; padded rows point
+  at a reserved dummy block, so their K/V writes land where no request reads;
+- whatever changes between steps is read by the kernels from device memory: lengths, block tables,
+  slots. A host number captured into a launch stays what it was at capture time, so the number of
+  sequence splits of the decode kernel is fixed per bucket, from the longest context the engine allows
+  (each row then divides its own length, read from `seq_lens`, among those splits).
+
+Without a CUDA device (or with an attention backend that sizes its work from host numbers) the same
+padded, static-buffer forward simply runs eagerly: the path is the same, only not recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import fields
+
+import torch
+
+from common.request import Request
+from common.sampling import SamplingParams, SamplingTensors, sample_rows
+from step06_paged_attention.backends import AttentionMetadata
+from step06_paged_attention.engine import PagedAttentionEngine
+
+# Padded rows in a sampling batch: greedy, so they never touch the noise; a fixed seed keeps them cheap.
+_PAD_PARAMS = SamplingParams(seed=0)
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, then every 16, and `max_batch` itself."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+class StaticDecodeInputs:
+    """A decode batch's integer inputs at fixed device addresses, refilled from pinned host memory by one copy.
+
+    One flat int32 buffer laid out as [token ids | positions | lengths | slots | block table], the first four
+    `max_batch` long and the table `max_batch` rows of `width` blocks: a bucket's rows are then a prefix of
+    it, so one copy of that prefix refreshes everything a replay reads."""
+
+    def __init__(self, max_batch: int, width: int, block_size: int, dummy_block: int, device: torch.device):
+        self.max_batch, self.width, self.block_size, self.dummy_block = max_batch, width, block_size, dummy_block
+        size = 4 * max_batch + max_batch * width
+        self.device_buffer = torch.zeros(size, dtype=torch.int32, device=device)
+        # Pinned memory lets the copy run asynchronously; the next fill waits for this step's tokens anyway.
+        self.host_buffer = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.input_ids, self.positions, self.seq_lens, self.slot_mapping, self.block_table = self.views(self.device_buffer)
+        self.host = self.views(self.host_buffer)
+
+    def views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b = self.max_batch
+        table = buffer[4 * b :].view(b, self.width)
+        return buffer[:b], buffer[b : 2 * b], buffer[2 * b : 3 * b], buffer[3 * b : 4 * b], table
+
+    def fill(self, token_ids: Sequence[int], seq_lens: Sequence[int], tables: Sequence[list[int]], bucket: int) -> None:
+        """Rows 0..n-1 get the requests; rows n..bucket-1 are padding: one token at position 0 of the dummy block."""
+        ids, positions, lens, slots, table = self.host
+        pad = bucket - len(token_ids)
+        size, dummy = self.block_size, self.dummy_block
+        pos = [n - 1 for n in seq_lens]  # the new token's position: it is the last of its sequence
+        ids[:bucket] = torch.tensor([*token_ids, *[0] * pad], dtype=torch.int32)
+        positions[:bucket] = torch.tensor([*pos, *[0] * pad], dtype=torch.int32)
+        lens[:bucket] = torch.tensor([*seq_lens, *[1] * pad], dtype=torch.int32)
+        slots[:bucket] = torch.tensor([*(t[p // size] * size + p % size for t, p in zip(tables, pos)),
+                                       *[dummy * size] * pad], dtype=torch.int32)
+        # Only the columns some row uses are written: a kernel never reads past its row's length.
+        used = max((len(t) for t in tables), default=1)
+        rows = [t + [dummy] * (used - len(t)) for t in tables] + [[dummy] * used] * pad
+        table[:bucket, :used] = torch.tensor(rows, dtype=torch.int32)
+        prefix = 4 * self.max_batch + bucket * self.width
+        self.device_buffer[:prefix].copy_(self.host_buffer[:prefix], non_blocking=True)
+
+
+class DecodeGraphs:
+    """The decode forward (embedding, layers, logits, sampling) on static buffers, captured once per
+    bucket and per sampling mode (greedy-only batches skip the sampler's work), then replayed."""
+
+    def __init__(self, engine: PagedAttentionEngine, max_batch: int, capture: bool) -> None:
+        self.engine = engine
+        self.model = engine.model
+        self.device = engine.device
+        self.buckets = graph_buckets(max_batch)
+        self.max_batch = self.buckets[-1]
+        cache = engine.cache
+        self.inputs = StaticDecodeInputs(self.max_batch, cache.blocks_for(engine.max_model_len), cache.block_size,
+                                         engine.dummy_block, self.device)
+        self.cu_q_lens = torch.arange(self.max_batch + 1, dtype=torch.int32, device=self.device)
+        vocab = self.model.config.vocab_size
+        self.sampling = SamplingTensors.build([_PAD_PARAMS] * self.max_batch, [0] * self.max_batch, vocab, self.device)
+        self.tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        if capture:
+            self.capture_all()
+
+    def bucket_for(self, batch: int) -> int:
+        return next(b for b in self.buckets if b >= batch)
+
+    @torch.inference_mode()
+    def forward(self, bucket: int, sampled: bool, max_seq_len: int) -> None:
+        """What one graph holds: read the static inputs of `bucket` rows, write their next tokens to `tokens`."""
+        s = self.inputs
+        meta = AttentionMetadata(
+            is_prefill=False, slot_mapping=s.slot_mapping[:bucket], block_table=s.block_table[:bucket],
+            seq_lens=s.seq_lens[:bucket], cu_q_lens=self.cu_q_lens[: bucket + 1], q_lens=[1] * bucket,
+            seq_lens_host=[], max_q_len=1, max_seq_len=max_seq_len, block_size=s.block_size,
+        )
+        hidden = self.model(s.input_ids[:bucket], self.engine.context(meta, s.positions[:bucket]))
+        logits = self.model.compute_logits(hidden)
+        if sampled:
+            rows = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:bucket] for f in fields(SamplingTensors)})
+            self.tokens[:bucket] = sample_rows(logits, rows)
+        else:
+            self.tokens[:bucket] = logits.argmax(dim=-1)
+
+    def capture_all(self) -> None:
+        """Record every bucket's graphs, largest first, all in one memory pool (they never run at once)."""
+        started = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        reserved_before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        frozen_len = self.engine.max_model_len  # the longest any row can get: fixes the split count
+        for bucket in reversed(self.buckets):
+            self.inputs.fill([], [], [], bucket)  # every row on the dummy block: capture writes nothing real
+            for sampled in (False, True):
+                # One eager run first, on a side stream: Triton compiles, cuBLAS picks its kernels, and the
+                # allocator settles, none of which may happen during the capture.
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    self.forward(bucket, sampled, frozen_len)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.forward(bucket, sampled, frozen_len)
+                self.graphs[bucket, sampled] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - started
+        self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+
+    def run(self, requests: Sequence[Request], seq_lens: Sequence[int], tables: Sequence[list[int]]) -> list[int]:
+        """Fill the static inputs, replay the bucket's graph (or run the same forward eagerly), read the tokens."""
+        n = len(requests)
+        bucket = self.bucket_for(n)
+        self.inputs.fill([r.output_token_ids[-1] for r in requests], seq_lens, tables, bucket)
+        sampled = not all(r.params.greedy for r in requests)
+        if sampled:
+            params = [r.params for r in requests] + [_PAD_PARAMS] * (bucket - n)
+            positions = [len(r.output_token_ids) for r in requests] + [0] * (bucket - n)
+            rows = SamplingTensors.build(params, positions, self.model.config.vocab_size, self.device)
+            for f in fields(SamplingTensors):
+                getattr(self.sampling, f.name)[:bucket].copy_(getattr(rows, f.name))
+        graph = self.graphs.get((bucket, sampled))
+        if graph is not None:
+            graph.replay()
+        else:
+            self.forward(bucket, sampled, max(seq_lens))
+        return self.tokens[:n].tolist()  # waits for the step: the tokens are real
+
+    def describe(self) -> str:
+        if not self.graphs:
+            return f"decode on static buffers, eager (buckets {self.buckets})"
+        return (f"{len(self.graphs)} CUDA graphs (buckets {self.buckets}, greedy and sampling) captured in "
+                f"{self.capture_seconds:.1f} s, {self.capture_bytes / 2**20:.0f} MiB of graph memory")

@@ -1,0 +1,28 @@
+"""Step 12: decode replayed as CUDA graphs, one per batch-size bucket; prefill, scheduling and preemption
+are step 07's.
+
+Examples:
+    python step12_cuda_graph/run.py --dry-run                          # tiny models, parity with HF (eager on CPU)
+    python step12_cuda_graph/run.py --device cuda --dry-run --attn triton --dtype float32
+    python step12_cuda_graph/run.py --bench --device cuda --model random:qwen2.5-7b --batch-sizes 1,8,32,64
+    python step12_cuda_graph/run.py --bench --device cuda --model random:qwen2.5-7b --no-cuda-graph
+"""
+
+import argparse
+
+from common.cli import main
+from step07_preemption.run import add_arguments as add_step07_arguments
+from step12_cuda_graph.engine import CudaGraphEngine
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_step07_arguments(parser)
+    graphs = parser.add_argument_group("CUDA graphs")
+    graphs.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+                        help="replay decode steps as CUDA graphs (default; on CPU the same path runs eagerly)")
+    graphs.add_argument("--max-graph-batch", type=int, default=256,
+                        help="the largest decode batch with a graph; larger batches run eagerly (default 256)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(CudaGraphEngine, "step12_cuda_graph", __doc__, add_arguments=add_arguments))

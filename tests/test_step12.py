@@ -1,0 +1,120 @@
+"""step12_cuda_graph: the padded static-buffer decode gives the same tokens, with requests joining and
+leaving, batches that are not buckets, and preemption between steps.
+
+On CPU the static-buffer forward runs eagerly (nothing to capture); on a CUDA machine the same tests run
+and `test_captured_graphs_match_step06_on_cuda` replays real graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.checks import staggered_generate
+from common.engine import EngineConfig
+from common.loading import LoadedModel, load_model
+from common.prompts import PARITY_PROMPTS
+from common.reference import compare_greedy
+from common.sampling import SamplingParams
+from step01_serial.engine import SerialEngine
+from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
+from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
+from step12_cuda_graph.decode_graphs import StaticDecodeInputs, graph_buckets
+from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
+from tests.conftest import PARITY_MAX_TOKENS
+from tests.test_step07 import run_checked
+
+
+def test_buckets_cover_every_batch_size() -> None:
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(8) == [1, 2, 4, 8]
+    assert graph_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+def test_padded_rows_point_at_the_dummy_block() -> None:
+    inputs = StaticDecodeInputs(max_batch=8, width=5, block_size=4, dummy_block=30, device=torch.device("cpu"))
+    inputs.fill([7, 9, 11], [6, 1, 9], [[3, 4], [8], [12, 2, 5]], bucket=4)
+    assert inputs.input_ids[:4].tolist() == [7, 9, 11, 0]
+    assert inputs.positions[:4].tolist() == [5, 0, 8, 0]
+    assert inputs.seq_lens[:4].tolist() == [6, 1, 9, 1]
+    # position 5 is slot 1 of logical block 1 (physical 4); position 8 is slot 0 of physical block 5
+    assert inputs.slot_mapping[:4].tolist() == [4 * 4 + 1, 8 * 4, 5 * 4, 30 * 4]
+    assert inputs.block_table[:4, :3].tolist() == [[3, 4, 30], [8, 30, 30], [12, 2, 5], [30, 30, 30]]
+
+
+def test_cpu_says_it_runs_eagerly() -> None:
+    engine = CudaGraphEngine(load_model("tiny-llama"), CudaGraphEngineConfig(device="cpu", num_blocks=16))
+    assert "eager" in engine.graph_status() and "CUDA device" in engine.graph_status()
+    assert engine.dummy_block == 16 and engine.cache.num_blocks == 17 and engine.allocator.num_blocks == 16
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, block_size: int) -> None:
+    """Seven prompts, one arriving per step, with uneven lengths: the batch passes through 3, 5, 6 and 7
+    rows, none of them a bucket, and shrinks again as requests finish."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:7]]
+    params = [SamplingParams(max_tokens=6 + 3 * i) for i in range(7)]
+    expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(prompts, params)]
+    engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=block_size, num_blocks=128,
+                                                         attn="torch", max_graph_batch=8))
+    assert [c.token_ids for c in staggered_generate(engine, prompts, params, arrive_every=1)] == expected
+    assert engine.allocator.num_used == 0 and not engine.block_tables
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_preemption_between_steps_changes_no_output(tiny: LoadedModel, preempt: str) -> None:
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
+    params = SamplingParams(max_tokens=24)
+    expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(prompts, params)]
+    longest_blocks = -(-(max(len(p) for p in prompts) + 24) // 4)
+    engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=4, attn="torch",
+                                                         num_blocks=longest_blocks + 2, preempt=preempt))
+    outputs, _ = run_checked(engine, prompts, params)
+    assert outputs == expected
+    assert engine.preemptions >= 2
+
+
+def test_seeded_sampling_is_step07s() -> None:
+    """The sampling variant draws exactly the tokens step 07's sampler draws (same seeds, same positions)."""
+    tiny = load_model("tiny-qwen3")
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:5]]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, top_k=k, seed=i) for i, k in
+              enumerate([0, 5, 0, 50, 0])]
+    params[2] = SamplingParams(max_tokens=12)  # a greedy row inside a sampling batch
+    config = dict(device="cpu", block_size=4, num_blocks=96, attn="torch")
+    theirs = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
+    ours = CudaGraphEngine(tiny, CudaGraphEngineConfig(**config)).generate(prompts, params)
+    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+
+
+@pytest.mark.embedded
+def test_embedded_model_matches_hf(embedded: LoadedModel, embedded_hf, embedded_reference) -> None:
+    reference = embedded_reference[:6]
+    prompts = [ids for ids, _ in reference]
+    engine = CudaGraphEngine(embedded, CudaGraphEngineConfig(device="cpu", block_size=16, num_blocks=64,
+                                                             attn="torch", max_graph_batch=4))
+    outputs = staggered_generate(engine, prompts, SamplingParams(max_tokens=PARITY_MAX_TOKENS), arrive_every=1)
+    for (prompt, theirs), ours in zip(reference, outputs):
+        report = compare_greedy(embedded_hf, prompt, ours.token_ids, theirs)
+        assert report.ok, report.describe()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_captured_graphs_match_step06_on_cuda(model: str) -> None:
+    """fp32, our Triton kernels in both engines: replayed graphs give step 06's eager tokens, with
+    arrivals, non-bucket batches and a budget tight enough to preempt."""
+    loaded = load_model(model, device="cuda", dtype=torch.float32)
+    prompts = [loaded.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:7]]
+    params = [SamplingParams(max_tokens=10 + 2 * i) for i in range(7)]
+    step06 = PagedAttentionEngine(loaded, PagedAttentionEngineConfig(device="cuda", block_size=16, num_blocks=64,
+                                                                      attn="triton"))
+    expected = [c.token_ids for c in staggered_generate(step06, prompts, params, arrive_every=1)]
+    for num_blocks in (64, 10):
+        engine = CudaGraphEngine(loaded, CudaGraphEngineConfig(device="cuda", block_size=16, num_blocks=num_blocks,
+                                                               attn="triton", max_graph_batch=8))
+        assert engine.eager_reason is None and engine.graphs is not None and engine.graphs.graphs
+        outputs = staggered_generate(engine, prompts, params, arrive_every=1)
+        assert [c.token_ids for c in outputs] == expected
+        assert engine.allocator.num_used == 0
