@@ -109,6 +109,7 @@ def main() -> int:
                              num_blocks=blocks, attn=args.attn, repeats=args.repeats, max_batch=max_batch,
                              hf_static_max_batch=args.hf_static_max_batch,
                              torch_threads=torch.get_num_threads())
+    output = args.output or Path("results/compare") / f"{device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
     runs = []
     for workload in workloads:
         warmup = Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens])
@@ -132,8 +133,8 @@ def main() -> int:
             runs.append(median_of(lambda: run_hf_generate(hf, workload, pad, "static"), args.repeats))
             print(f"[compare] {workload.name} hf-generate-static: {runs[-1].output_tok_per_s:.1f} tok/s "
                   f"({time.perf_counter() - started:.0f} s with compiling)", flush=True)
+        write_evidence(output, header, runs, workloads)  # after every batch size: a cut-short run keeps its figures
     print(format_table(runs))
-    output = args.output or Path("results/compare") / f"{device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
     evidence = write_evidence(output, header, runs, workloads)
     print(f"wrote {evidence}")
     try:
