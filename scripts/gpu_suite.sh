@@ -43,6 +43,13 @@ compare() {
     --repeats 2 --output "$OUT/compare-cuda-random-qwen2.5-7b.json"
 }
 
+compare_large_batches() {
+  echo "== the paged steps and HF generate() at batch 32 and 64 (the same workload as compare, without the slow steps)"
+  python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 32,64 --max-tokens 128 --repeats 2 \
+    --steps step03_vectorized_gather,step06_paged_attention,step07_preemption,step12_cuda_graph \
+    --output "$OUT/compare-cuda-random-qwen2.5-7b-batch32-64.json"
+}
+
 compare_long() {
   echo "== steps 03, 06 and HF generate() with 1024-token prompts: gathering K/V grows with the context"
   python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,8,32,64 --prompt-len 1024 \
@@ -74,7 +81,7 @@ kernel_bench() {
   echo "== step06: the paged decode kernel checked, then timed against the copy bandwidth and dense SDPA"
   python step06_paged_attention/run.py --kernel-bench --batches 1,8,16,32,64 --contexts 128,512,2048,8192 \
     --output "$OUT/kernel-bench-cuda-qwen2.5-7b-heads.json"
-  python step06_paged_attention/run.py --kernel-bench --dtype float32 --batches 1,8,64 --contexts 128,2048,8192 \
+  python step06_paged_attention/run.py --kernel-bench --dtype float32 --batches 1,8,64 --contexts 128,2048 \
     --output "$OUT/kernel-bench-cuda-qwen2.5-7b-heads-fp32.json"
 }
 

@@ -112,11 +112,12 @@ class TritonBackend(AttentionBackend):
         self.num_sms = num_sms
 
     def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
-        """Split long sequences when batch x KV heads alone would leave most of the GPU idle: aim for about
-        four programs per multiprocessor (enough loads in flight to cover memory latency), but give each
-        split at least 256 tokens, so that merging the splits stays cheap."""
-        wanted = -(-4 * self.num_sms // (batch * kv_heads))
-        return max(1, min(wanted, max_seq_len // 256, 32))
+        """Split long sequences when batch x KV heads alone would leave most of the GPU idle. Fill one wave
+        of about four programs per multiprocessor, never more: the H200 sweep (kernel_bench.py) showed a
+        grid just past one wave losing up to a fifth of the bandwidth to its straggling second wave. Each
+        split gets at least one 64-token tile."""
+        one_wave = 4 * self.num_sms // (batch * kv_heads)
+        return max(1, min(one_wave, max_seq_len // 64, 32))
 
     def write_kv(self, k_cache, v_cache, k, v, meta):
         self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

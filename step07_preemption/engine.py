@@ -87,7 +87,11 @@ class PreemptionEngine(PagedAttentionEngine):
         importance of the first one that did not fit: no less important request may be admitted before it."""
         for request in sorted(self.swapped, key=self.importance):
             host = self.host_kv[request.request_id]
-            if self.allocator.num_free < host.num_blocks or len(self.running) >= self.config.max_num_seqs:
+            # Room for its blocks, and for the new block any decoding request (itself included) starts this
+            # step: otherwise it would be the newest admission, the first victim, and go straight back out.
+            starts_block = self.cache.blocks_for(request.num_tokens) > host.num_blocks
+            need = host.num_blocks + starts_block + self.new_blocks_this_step(decoding)
+            if self.allocator.num_free < need or len(self.running) >= self.config.max_num_seqs:
                 return self.importance(request)
             table = self.allocator.allocate(host.num_blocks)
             self.swapper.swap_in(self.host_kv.pop(request.request_id), table)
@@ -118,6 +122,10 @@ class PreemptionEngine(PagedAttentionEngine):
             self._not_prefilled.add(request.request_id)
             admitted.append(request)
         return admitted
+
+    def new_blocks_this_step(self, requests: list[Request]) -> int:
+        """How many of these decoding requests cross into a new block with this step's token."""
+        return sum(self.cache.blocks_for(r.num_tokens) > len(self.block_tables[r.request_id]) for r in requests)
 
     def reserve_next_block(self, request: Request) -> None:
         """A decoding request whose next token starts a new block gets one, preempting if the pool is empty

@@ -27,13 +27,21 @@ from dataclasses import fields
 
 import torch
 
+from common.model import CausalLM
 from common.request import Request
 from common.sampling import SamplingParams, SamplingTensors, sample_rows
-from step06_paged_attention.backends import AttentionMetadata
-from step06_paged_attention.engine import PagedAttentionEngine
+from step02_paged_kv.kv_cache import PagedKVCache
+from step06_paged_attention.backends import AttentionBackend, AttentionMetadata
+from step06_paged_attention.engine import PagedAttentionForward
 
 # Padded rows in a sampling batch: greedy, so they never touch the noise; a fixed seed keeps them cheap.
 _PAD_PARAMS = SamplingParams(seed=0)
+
+
+# Graph memory per (padded row x vocabulary entry): the sampling graph keeps several [rows, vocab] temporaries
+# (float32 logits, scaled logits, noise, sort values; int64 hashes and sort indices). Measured on the H200 at
+# start-up: 70 to 140 bytes for the bundled models; this estimate is what the default KV budget sets aside.
+GRAPH_BYTES_PER_LOGIT = 160
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -86,15 +94,14 @@ class DecodeGraphs:
     """The decode forward (embedding, layers, logits, sampling) on static buffers, captured once per
     bucket and per sampling mode (greedy-only batches skip the sampler's work), then replayed."""
 
-    def __init__(self, engine: PagedAttentionEngine, max_batch: int, capture: bool) -> None:
-        self.engine = engine
-        self.model = engine.model
-        self.device = engine.device
+    def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
+                 dummy_block: int, max_batch: int, capture: bool) -> None:
+        self.model, self.cache, self.backend, self.max_model_len = model, cache, backend, max_model_len
+        self.device = model.device
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
-        cache = engine.cache
-        self.inputs = StaticDecodeInputs(self.max_batch, cache.blocks_for(engine.max_model_len), cache.block_size,
-                                         engine.dummy_block, self.device)
+        self.inputs = StaticDecodeInputs(self.max_batch, cache.blocks_for(max_model_len), cache.block_size,
+                                         dummy_block, self.device)
         self.cu_q_lens = torch.arange(self.max_batch + 1, dtype=torch.int32, device=self.device)
         vocab = self.model.config.vocab_size
         self.sampling = SamplingTensors.build([_PAD_PARAMS] * self.max_batch, [0] * self.max_batch, vocab, self.device)
@@ -117,7 +124,8 @@ class DecodeGraphs:
             seq_lens=s.seq_lens[:bucket], cu_q_lens=self.cu_q_lens[: bucket + 1], q_lens=[1] * bucket,
             seq_lens_host=[], max_q_len=1, max_seq_len=max_seq_len, block_size=s.block_size,
         )
-        hidden = self.model(s.input_ids[:bucket], self.engine.context(meta, s.positions[:bucket]))
+        positions = s.positions[:bucket]
+        hidden = self.model(s.input_ids[:bucket], PagedAttentionForward(self.cache, self.backend, meta, positions))
         logits = self.model.compute_logits(hidden)
         if sampled:
             rows = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:bucket] for f in fields(SamplingTensors)})
@@ -131,7 +139,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         reserved_before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        frozen_len = self.engine.max_model_len  # the longest any row can get: fixes the split count
+        frozen_len = self.max_model_len  # the longest any row can get: fixes the split count
         for bucket in reversed(self.buckets):
             self.inputs.fill([], [], [], bucket)  # every row on the dummy block: capture writes nothing real
             for sampled in (False, True):

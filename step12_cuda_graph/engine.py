@@ -15,8 +15,9 @@ import torch
 
 from common.loading import LoadedModel
 from common.request import Request, RequestOutput
+from step02_paged_kv.kv_cache import PagedKVCache
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
-from step12_cuda_graph.decode_graphs import DecodeGraphs
+from step12_cuda_graph.decode_graphs import GRAPH_BYTES_PER_LOGIT, DecodeGraphs
 
 
 @dataclass
@@ -35,9 +36,23 @@ class CudaGraphEngine(PreemptionEngine):
         self.graphs: DecodeGraphs | None = None
         self.eager_reason = self.why_not_capture(config)
         if config.cuda_graph:
-            max_batch = max(1, min(config.max_graph_batch, config.max_num_seqs))
-            self.graphs = DecodeGraphs(self, max_batch, capture=self.eager_reason is None)
+            self.graphs = DecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
+                                       self.max_graph_batch(config), capture=self.eager_reason is None)
         print(f"[{type(self).__name__}] decode: {self.graph_status()}", flush=True)  # said at start-up
+
+    @staticmethod
+    def max_graph_batch(config: CudaGraphEngineConfig) -> int:
+        return max(1, min(config.max_graph_batch, config.max_num_seqs))
+
+    def blocks_in_budget(self, config: CudaGraphEngineConfig) -> int:
+        """Step 02's budget, less what the graphs will hold (an estimate: they are captured after the pool
+        exists, since they record its address; the real figure is printed at start-up)."""
+        blocks = super().blocks_in_budget(config)
+        if not config.cuda_graph or self.device.type != "cuda":
+            return blocks
+        graph_bytes = GRAPH_BYTES_PER_LOGIT * self.max_graph_batch(config) * self.model.config.vocab_size
+        per_block = PagedKVCache.bytes_per_block(self.model.config, config.block_size, self.model.dtype)
+        return max(1, blocks - graph_bytes // per_block)
 
     def why_not_capture(self, config: CudaGraphEngineConfig) -> str | None:
         """None if decode can be captured; otherwise the reason it runs eagerly, to be said out loud."""
