@@ -26,7 +26,7 @@ parity() {
     python step12_cuda_graph/run.py --dry-run --device cuda --attn triton
     # The embedded model's weights are not carried to the GPU machine: its tests run on CPU in CI.
     python -m pytest -q -m "not embedded" tests/test_triton_kernels.py tests/test_step06.py tests/test_step12.py
-  } 2>&1 | grep -v "Loading weights" | tee "$OUT/dry-run-cuda.txt"
+  } 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/dry-run-cuda.txt"
 }
 
 step01_bench() {
