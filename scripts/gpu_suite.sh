@@ -63,6 +63,14 @@ graphs_large() {
     --bench-output "$OUT/step12-nanovllm-cuda-random-qwen3-0.6b.json"
 }
 
+profile_step() {
+  echo "== step12: where a replayed decode step's GPU time goes, at batch 1, 8 and 64"
+  for batch in 1 8 64; do
+    python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batch $batch \
+      --output "$OUT/profile-cuda-random-qwen2.5-7b-batch$batch.json"
+  done
+}
+
 sync_ablation() {
   echo "== step06 with and without a .item() in every layer (the host waits for the GPU 28 times a step)"
   for sync in "" --sync-per-layer; do
@@ -98,5 +106,5 @@ serve() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long graphs_large sync_ablation checkpoint_memory preempt serve)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long graphs_large profile_step sync_ablation checkpoint_memory preempt serve)
 for section in "${sections[@]}"; do "$section"; done

@@ -35,7 +35,11 @@ STYLES: dict[str, dict[str, Any]] = {
     "step01_serial": {"color": "tab:red", "marker": "o"},
     "step02_paged_kv": {"color": "tab:orange", "marker": "s"},
     "step03_vectorized_gather": {"color": "tab:green", "marker": "^"},
+    "step06_paged_attention": {"color": "tab:blue", "marker": "v"},
+    "step07_preemption": {"color": "tab:purple", "marker": "P"},
+    "step12_cuda_graph": {"color": "tab:brown", "marker": "*", "markersize": 10},
     "hf-generate": {"color": "black", "marker": "D", "linestyle": "--"},
+    "hf-generate-static": {"color": "tab:gray", "marker": "X", "linestyle": ":"},
 }
 
 

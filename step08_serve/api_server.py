@@ -334,6 +334,12 @@ def create_app(async_engine: AsyncEngine, served_model: str, model_root: str, ap
         if allocator is not None:
             lines += render_metric("llm_kv_blocks_used", "gauge", "KV cache blocks in use.", allocator.num_used)
             lines += render_metric("llm_kv_blocks_total", "gauge", "KV cache blocks in the pool.", allocator.num_blocks)
+        if hasattr(engine, "preemptions"):  # step 07 onwards
+            lines += render_metric("llm_preemptions_total", "counter", "Running requests preempted.", engine.preemptions)
+            lines += render_metric("llm_requests_swapped", "gauge", "Requests whose KV cache waits in host memory.",
+                                   len(engine.swapped))
+            lines += render_metric("llm_swapped_out_blocks_total", "counter", "KV blocks copied to host memory.",
+                                   engine.swapper.stats.swapped_out_blocks)
         lines += stats.ttft_seconds.render("llm_time_to_first_token_seconds", "Time to first token.")
         lines += stats.tpot_seconds.render("llm_time_per_output_token_seconds", "Time per output token after the first.")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")

@@ -18,6 +18,7 @@ from step02_paged_kv.engine import PagedEngine
 from step03_vectorized_gather.engine import VectorizedGatherEngine
 from step06_paged_attention.engine import PagedAttentionEngine
 from step07_preemption.engine import PreemptionEngine
+from step12_cuda_graph.engine import CudaGraphEngine
 
 # Every step the server can drive. The default is the most capable one whose GPU path has been measured.
 STEPS: dict[str, type[Engine]] = {
@@ -26,8 +27,9 @@ STEPS: dict[str, type[Engine]] = {
     "step03_vectorized_gather": VectorizedGatherEngine,
     "step06_paged_attention": PagedAttentionEngine,
     "step07_preemption": PreemptionEngine,  # honours each request's `priority`
+    "step12_cuda_graph": CudaGraphEngine,  # step 07 with decode replayed as CUDA graphs
 }
-DEFAULT_STEP = "step03_vectorized_gather"
+DEFAULT_STEP = "step07_preemption"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

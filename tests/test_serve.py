@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from common.loading import LoadedModel, load_model
 from step02_paged_kv.engine import PagedEngineConfig
 from step03_vectorized_gather.engine import VectorizedGatherEngine
+from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step08_serve.api_server import create_app
 from step08_serve.async_engine import AsyncEngine
 from step08_serve.launcher import running_server
@@ -255,6 +257,30 @@ def test_api_key_is_required_when_set() -> None:
         allowed = OpenAI(base_url=f"{url}/v1", api_key="sesame", max_retries=0)
         assert allowed.models.list().data[0].id == MODEL
         assert httpx.get(f"{url}/health").status_code == 200  # health needs no key
+
+
+def test_preemptions_show_in_metrics_and_change_no_text() -> None:
+    """Step 07 behind the server with a pool far too small for six concurrent clients: requests get
+    swapped out and back, every client still gets the text it gets alone, and /metrics counts it."""
+    loaded = load_model(MODEL)
+    engine = PreemptionEngine(loaded, PreemptionEngineConfig(device="cpu", block_size=4, num_blocks=24,
+                                                             attn="torch", preempt="swap"))
+    async_engine = AsyncEngine(engine)
+    prompts = [f"Story number {i} about the sea." for i in range(6)]
+    with running_server(create_app(async_engine, MODEL, MODEL)) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        alone = [chat(client, p, max_tokens=40, extra_body={"ignore_eos": True}).choices[0].message.content
+                 for p in prompts]
+        assert engine.preemptions == 0
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: chat(client, p, max_tokens=40, extra_body={"ignore_eos": True})
+                                     .choices[0].message.content, prompts))
+        metrics = httpx.get(f"{url}/metrics").text
+    assert together == alone
+    assert engine.preemptions >= 1 and engine.swapper.stats.swapped_out_blocks > 0
+    assert f"llm_preemptions_total {engine.preemptions}" in metrics
+    assert f"llm_swapped_out_blocks_total {engine.swapper.stats.swapped_out_blocks}" in metrics
+    assert "llm_requests_swapped 0" in metrics
 
 
 # ----- concurrency and cancellation -------------------------------------------------------------------

@@ -152,3 +152,37 @@ def test_embedded_model_under_a_tight_budget(preempt: str, embedded: LoadedModel
         assert report.ok, report.describe()
         identical += report.equal
     assert identical >= len(prompts) - 1
+
+
+@pytest.mark.parametrize("extra_blocks", [0, 3, 6])
+def test_a_request_swapped_in_is_not_swapped_out_in_the_same_step(tiny: LoadedModel, extra_blocks: int) -> None:
+    """Swap-in leaves room for the blocks decoding requests start this step; otherwise the request just
+    swapped in, being the newest admission, is the first victim and its K/V makes a pointless round trip."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
+    params = [SamplingParams(max_tokens=8 + 4 * i) for i in range(8)]
+    longest_blocks = -(-(max(len(p) for p in prompts) + 36) // 4)
+    engine = PreemptionEngine(tiny, PreemptionEngineConfig(device="cpu", block_size=4, attn="torch",
+                                                            num_blocks=longest_blocks + extra_blocks, preempt="swap"))
+    swapped_in: set[str] = set()
+    round_trips: list[str] = []
+    mark_running, preempt = engine.mark_running, engine.preempt
+
+    def watch_mark_running(request) -> None:
+        if request.status is RequestStatus.SWAPPED:
+            swapped_in.add(request.request_id)
+        mark_running(request)
+
+    def watch_preempt(victim) -> None:
+        if victim.request_id in swapped_in:
+            round_trips.append(victim.request_id)
+        preempt(victim)
+
+    engine.mark_running, engine.preempt = watch_mark_running, watch_preempt
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    while engine.has_unfinished():
+        swapped_in.clear()
+        engine.step()
+    assert engine.swapper.stats.swapped_in_blocks > 0, "the budget should force swapping"
+    assert not round_trips, f"swapped in and straight back out in the same step: {round_trips}"
+    assert_nothing_left(engine)

@@ -1,0 +1,138 @@
+"""Where one decode step's GPU time goes, once the host is out of the way (CUDA only).
+
+With graphs, a step lasts as long as the GPU needs for its kernels plus the small gaps between them. This
+script puts `--batch` requests of `--context` tokens in flight on a `CudaGraphEngine`, then measures:
+- the replayed graph's time per step (CUDA events over many replays);
+- the same forward run eagerly under torch.profiler: every kernel's GPU time, summed per step and grouped
+  (matrix multiplies, our attention kernels, element-wise and reductions, the rest), with the most costly
+  kernels by name and how many kernels one step launches;
+- the weight-read ceiling: the bytes of every weight a step reads, over the device's copy bandwidth.
+Writes JSON evidence.
+
+    python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batch 8 --context 160
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from common.bench import evidence_header
+from common.sampling import SamplingParams
+from step06_paged_attention.kernel_bench import copy_bandwidth_gbs
+from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
+
+CATEGORIES = {  # first match wins, on the lower-cased kernel name
+    "attention (ours)": ("_paged_decode", "_merge_splits", "_write_kv"),
+    "matrix multiply": ("gemm", "gemv", "cutlass", "sm90_", "cublas", "splitk"),
+    "element-wise and reductions": ("elementwise", "vectorized", "reduce", "index", "cat", "copy", "fill"),
+}
+
+
+def category_of(kernel: str) -> str:
+    name = kernel.lower()
+    return next((c for c, keys in CATEGORIES.items() if any(k in name for k in keys)), "other")
+
+
+def weight_bytes_read(engine: CudaGraphEngine) -> int:
+    """Every parameter a decode step reads: all of them, less the embedding table unless it is the head
+    too (a step looks up one embedding row per request)."""
+    model = engine.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head counts once
+    embedding = model.model.embed_tokens.weight
+    if model.lm_head.weight is not embedding:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="random:qwen2.5-7b")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=160, help="tokens each request holds during the step")
+    p.add_argument("--steps", type=int, default=20, help="replays timed, and eager steps profiled (a quarter)")
+    p.add_argument("--output", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("error: this profiles CUDA kernels and graphs: run it on a GPU machine", file=sys.stderr)
+        return 2
+    blocks = args.batch * -(-(args.context + 8) // 16) + 8
+    engine = CudaGraphEngine.from_config(CudaGraphEngineConfig(
+        model=args.model, device="cuda", num_blocks=blocks, max_graph_batch=args.batch, attn="triton"))
+    for i in range(args.batch):  # prompts one token short of the context; their first step prefills them
+        engine.add_request([1000 + (7 * i + j) % 30000 for j in range(args.context - 1)],
+                           SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    requests = list(engine.running)
+    graphs = engine.graphs
+    assert graphs is not None and graphs.graphs, engine.graph_status()
+    bucket = graphs.bucket_for(len(requests))
+    seq_lens = engine.grow_block_tables(requests)  # the block the step's new token goes to, if it starts one
+    graphs.inputs.fill([r.output_token_ids[-1] for r in requests], seq_lens,
+                       [engine.block_tables[r.request_id] for r in requests], bucket)
+    graph = graphs.graphs[bucket, False]
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.steps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    replay_ms = start.elapsed_time(end) / args.steps
+
+    eager_steps = max(1, args.steps // 4)
+    graphs.forward(bucket, False, engine.max_model_len)  # the same split count as the graph
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(eager_steps):
+            graphs.forward(bucket, False, engine.max_model_len)
+        torch.cuda.synchronize()
+    kernels = []
+    for avg in prof.key_averages():
+        us = getattr(avg, "self_device_time_total", 0.0)
+        if us > 0:
+            kernels.append({"name": avg.key[:120], "calls_per_step": avg.count / eager_steps,
+                            "ms_per_step": us / 1e3 / eager_steps, "category": category_of(avg.key)})
+    kernels.sort(key=lambda k: -k["ms_per_step"])
+    by_category: dict[str, float] = defaultdict(float)
+    for k in kernels:
+        by_category[k["category"]] += k["ms_per_step"]
+    kernel_ms = sum(by_category.values())
+
+    device = engine.device
+    copy_gbs = copy_bandwidth_gbs(device)
+    weights = weight_bytes_read(engine)
+    ceiling_ms = weights / (copy_gbs * 1e9) * 1e3
+    result = evidence_header(device, args.model, engine.model.dtype, batch=args.batch, bucket=bucket,
+                             context=args.context, graph_status=engine.graph_status()) | {
+        "replay_ms_per_step": replay_ms,
+        "kernel_ms_per_step": kernel_ms,
+        "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
+        "ms_per_step_by_category": dict(by_category),
+        "weight_bytes_read": weights, "copy_bandwidth_gbs": copy_gbs, "weight_read_ceiling_ms": ceiling_ms,
+        "replay_vs_ceiling": ceiling_ms / replay_ms,
+        "top_kernels": kernels[:25],
+    }
+    print(f"batch {args.batch} (bucket {bucket}), context {args.context}: replay {replay_ms:.2f} ms per step; "
+          f"kernels {kernel_ms:.2f} ms in {result['kernels_per_step']:.0f} launches; weight-read ceiling "
+          f"{ceiling_ms:.2f} ms ({100 * result['replay_vs_ceiling']:.0f}% of it reached)")
+    for name, ms in sorted(by_category.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:30s} {ms:7.3f} ms")
+    for k in kernels[:10]:
+        print(f"  {k['ms_per_step']:7.3f} ms  x{k['calls_per_step']:5.0f}  {k['name'][:90]}")
+    output = args.output or Path("results/step12_cuda_graph") / (
+        f"profile-cuda-{args.model.replace(':', '-').replace('/', '-')}-batch{args.batch}.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
