@@ -83,3 +83,13 @@ def test_chat_template_accepts_a_message_list(tokenizer: Tokenizer) -> None:
     assert positions == sorted(positions)
     assert "You are a helpful AI assistant" not in text  # our system message replaced the default one
     assert text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("text", [MULTIBYTE, MIXED])
+def test_rust_decode_equals_transformers_decode(tokenizer: Tokenizer, text: str) -> None:
+    """The shortcut past transformers' wrapper gives its exact text: whole, in every prefix (partial
+    characters included) and with special tokens skipped."""
+    assert tokenizer._rust_decode is not None, "the embedded tokenizer should take the shortcut"
+    ids = tokenizer.apply_chat_template(text) + tokenizer.encode(text)
+    for end in range(1, len(ids) + 1):
+        assert tokenizer.decode(ids[:end]) == tokenizer.hf.decode(ids[:end], skip_special_tokens=True)
