@@ -1,0 +1,92 @@
+"""The host's share of a decode step: what the CPU does per step besides running the model.
+
+Once decode is a CUDA graph, the GPU's work per step is one replay; what remains on the host is Python:
+scheduling (step 07's `schedule`), filling the static inputs, and turning sampled ids into text
+(`process_tokens`: detokenizing, stop checks). The engine waits for each step's tokens before doing any of
+it, so this time adds to every step. Measured here on the CPU with a tiny model and the model's own work
+timed apart (the forward is wrapped), at several batch sizes with long prompts. Writes JSON evidence.
+
+    python step12_cuda_graph/bench_host.py --batches 32,128,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from common.bench import evidence_header
+from common.loading import load_model
+from common.sampling import SamplingParams
+from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
+
+
+def timed(totals: dict[str, float], name: str, fn: Callable) -> Callable:
+    """`fn`, adding its wall time to `totals[name]` on every call."""
+    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - start
+    return wrapper
+
+
+def host_ms_per_step(batch: int, prompt_len: int, steps: int) -> dict[str, float]:
+    loaded = load_model("tiny-llama")
+    engine = CudaGraphEngine(loaded, CudaGraphEngineConfig(
+        device="cpu", block_size=16, attn="torch", num_blocks=batch * (-(-(prompt_len + steps + 8) // 16)),
+        max_graph_batch=batch))
+    rng = random.Random(0)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(100, 40000) for _ in range(prompt_len)],
+                           SamplingParams(max_tokens=steps + 4, ignore_eos=True))
+    engine.step()  # the prefill, not measured
+    engine.step()
+    totals: dict[str, float] = defaultdict(float)
+    graphs = engine.graphs
+    assert graphs is not None
+    graphs.forward = timed(totals, "model forward (the GPU's part)", graphs.forward)
+    engine.schedule = timed(totals, "schedule", engine.schedule)
+    graphs.inputs.fill = timed(totals, "fill static inputs", graphs.inputs.fill)
+    engine.process_tokens = timed(totals, "process tokens (detokenize, stop checks)", engine.process_tokens)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = time.perf_counter() - start
+    per_step = {name: 1e3 * t / steps for name, t in totals.items()}
+    forward = per_step["model forward (the GPU's part)"]
+    per_step["host, all of it"] = 1e3 * total / steps - forward
+    return per_step
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="32,128,256")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--output", type=Path, default=Path("results/step12_cuda_graph/host-per-step-cpu.json"))
+    args = p.parse_args()
+    torch.set_num_threads(1)  # the host's Python is single-threaded; keep the forward from borrowing cores
+    header = evidence_header(torch.device("cpu"), "tiny-llama", torch.float32, prompt_len=args.prompt_len,
+                             steps=args.steps)
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        per_step = host_ms_per_step(batch, args.prompt_len, args.steps)
+        rows.append({"batch": batch, "ms_per_step": per_step})
+        parts = ", ".join(f"{name} {ms:.2f}" for name, ms in per_step.items())
+        print(f"batch {batch}: ms per step: {parts}", flush=True)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(header | {"rows": rows}, indent=2) + "\n")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
