@@ -40,7 +40,7 @@ _PAD_PARAMS = SamplingParams(seed=0)
 
 # Graph memory per (padded row x vocabulary entry): the sampling graph keeps several [rows, vocab] temporaries
 # (float32 logits, scaled logits, noise, sort values; int64 hashes and sort indices). Measured on the H200 at
-# start-up: 70 to 140 bytes for the bundled models; this estimate is what the default KV budget sets aside.
+# start-up: 60 to 140 bytes for the bundled models; this estimate is what the default KV budget sets aside.
 GRAPH_BYTES_PER_LOGIT = 160
 
 
