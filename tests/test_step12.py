@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.checks import staggered_generate
+from common.checks import compare_engines, staggered_generate
 from common.engine import EngineConfig
 from common.loading import LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
@@ -110,11 +110,17 @@ def test_captured_graphs_match_step06_on_cuda(model: str) -> None:
     params = [SamplingParams(max_tokens=10 + 2 * i) for i in range(7)]
     step06 = PagedAttentionEngine(loaded, PagedAttentionEngineConfig(device="cuda", block_size=16, num_blocks=64,
                                                                       attn="triton"))
-    expected = [c.token_ids for c in staggered_generate(step06, prompts, params, arrive_every=1)]
+    expected = staggered_generate(step06, prompts, params, arrive_every=1)
     for num_blocks in (64, 10):
         engine = CudaGraphEngine(loaded, CudaGraphEngineConfig(device="cuda", block_size=16, num_blocks=num_blocks,
                                                                attn="triton", max_graph_batch=8))
         assert engine.eager_reason is None and engine.graphs is not None and engine.graphs.graphs
         outputs = staggered_generate(engine, prompts, params, arrive_every=1)
-        assert [c.token_ids for c in outputs] == expected
+        # The graphs fix the decode kernel's split count, so float32 sums may be ordered differently from
+        # step 06's: a token may differ only where HF shows the two candidates tied.
+        reports = compare_engines(loaded, prompts, outputs, expected)
+        assert all(r.ok for r in reports), [r.describe() for r in reports if not r.ok]
+        assert sum(r.equal for r in reports) >= len(prompts) - 1
         assert engine.allocator.num_used == 0
+        if num_blocks == 10:
+            assert engine.preemptions >= 1
