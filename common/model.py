@@ -38,6 +38,21 @@ class ForwardContext(ABC):
         Returns [num_tokens, num_heads, head_dim].
         """
 
+    # The element-wise work around the matrix multiplies. These defaults are plain PyTorch, several small
+    # kernels each; a context may run them fused instead (step 12 does, where the launches are replayed
+    # from a CUDA graph and each kernel's fixed cost is what remains).
+    def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim]."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's activation: silu(gate) * up."""
+        return F.silu(gate) * up
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -102,8 +117,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = ctx.rms_norm(self.q_norm, q), ctx.rms_norm(self.k_norm, k)
+        q, k = ctx.rotate(q, k, *rope)
         out = ctx.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -115,8 +130,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.down_proj(ctx.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -128,8 +143,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(ctx.rms_norm(self.input_layernorm, x), ctx, rope)
+        return x + self.mlp(ctx.rms_norm(self.post_attention_layernorm, x), ctx)
 
 
 class DecoderBody(nn.Module):
@@ -173,7 +188,7 @@ class CausalLM(nn.Module):
         rope = self.rope.lookup(ctx.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, ctx, rope)
-        return self.model.norm(x)
+        return ctx.rms_norm(self.model.norm, x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the rows we sample from (usually each request's last token only)."""

@@ -64,11 +64,9 @@ graphs_large() {
 }
 
 profile_step() {
-  echo "== step12: where a replayed decode step's GPU time goes, at batch 1, 8 and 64"
-  for batch in 1 8 64; do
-    python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batch $batch \
-      --output "$OUT/profile-cuda-random-qwen2.5-7b-batch$batch.json"
-  done
+  echo "== step12: where a replayed decode step's GPU time goes, at batch 1, 8 and 64, without and with --fused-ops"
+  python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 \
+    --output "$OUT/profile-cuda-random-qwen2.5-7b.json"
 }
 
 sync_ablation() {

@@ -15,6 +15,7 @@ V pools (`[num_blocks, block_size, kv_heads, head_dim]`). Three implementations:
 from __future__ import annotations
 
 import importlib.util
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -159,6 +160,13 @@ class FlashAttnBackend(AttentionBackend):
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
+def require_triton_device(device: torch.device) -> None:
+    """Triton compiles for GPUs; on a CPU only its interpreter runs kernels, and only when asked for."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("Triton kernels on a CPU run only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                         "(slow, for checking), or use a CUDA device")
+
+
 def create_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}")
@@ -175,6 +183,7 @@ def create_backend(name: str, device: torch.device, block_size: int) -> Attentio
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ValueError("--attn triton needs the triton package (Linux x86-64): pip install triton")
+        require_triton_device(device)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if on_cuda else 1
         return TritonBackend(sms)
     if not on_cuda or importlib.util.find_spec("flash_attn") is None:

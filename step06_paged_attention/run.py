@@ -2,7 +2,7 @@
 
 Examples:
     python step06_paged_attention/run.py --dry-run                     # torch backend on CPU, parity with HF
-    python step06_paged_attention/run.py --dry-run --attn triton       # our kernels (Triton's interpreter on CPU)
+    TRITON_INTERPRET=1 python step06_paged_attention/run.py --dry-run --attn triton   # our kernels, on a CPU
     python step06_paged_attention/run.py                               # embedded model, checked against HF
     python step06_paged_attention/run.py --bench --device cuda --model random:qwen2.5-7b --attn triton
     python step06_paged_attention/run.py --kernel-bench                # kernels checked, then timed (CUDA)

@@ -95,8 +95,13 @@ class DecodeGraphs:
     bucket and per sampling mode (greedy-only batches skip the sampler's work), then replayed."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
-                 dummy_block: int, max_batch: int, capture: bool) -> None:
+                 dummy_block: int, max_batch: int, capture: bool, fused_ops: bool = False) -> None:
         self.model, self.cache, self.backend, self.max_model_len = model, cache, backend, max_model_len
+        self.context_class = PagedAttentionForward
+        if fused_ops:  # imported only when asked for: Triton is not installed everywhere
+            from step12_cuda_graph.fused_forward import FusedOpsForward
+
+            self.context_class = FusedOpsForward
         self.device = model.device
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
@@ -125,7 +130,7 @@ class DecodeGraphs:
             seq_lens_host=[], max_q_len=1, max_seq_len=max_seq_len, block_size=s.block_size,
         )
         positions = s.positions[:bucket]
-        hidden = self.model(s.input_ids[:bucket], PagedAttentionForward(self.cache, self.backend, meta, positions))
+        hidden = self.model(s.input_ids[:bucket], self.context_class(self.cache, self.backend, meta, positions))
         logits = self.model.compute_logits(hidden)
         if sampled:
             rows = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:bucket] for f in fields(SamplingTensors)})

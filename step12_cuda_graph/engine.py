@@ -16,6 +16,7 @@ import torch
 from common.loading import LoadedModel
 from common.request import Request, RequestOutput
 from step02_paged_kv.kv_cache import PagedKVCache
+from step06_paged_attention.backends import require_triton_device
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step12_cuda_graph.decode_graphs import GRAPH_BYTES_PER_LOGIT, DecodeGraphs
 
@@ -24,6 +25,7 @@ from step12_cuda_graph.decode_graphs import GRAPH_BYTES_PER_LOGIT, DecodeGraphs
 class CudaGraphEngineConfig(PreemptionEngineConfig):
     cuda_graph: bool = True  # False: step 07's eager decode, for comparison
     max_graph_batch: int = 256  # larger decode batches run eagerly
+    fused_ops: bool = False  # RMSNorm, RoPE and SiLU-and-multiply as one Triton kernel each, in decode
 
 
 class CudaGraphEngine(PreemptionEngine):
@@ -31,13 +33,18 @@ class CudaGraphEngine(PreemptionEngine):
     reserved_blocks = 1  # the dummy block: padded rows write their K/V there, and nobody reads it
 
     def __init__(self, loaded: LoadedModel, config: CudaGraphEngineConfig) -> None:
+        if config.fused_ops and not config.cuda_graph:
+            raise ValueError("--fused-ops changes the graph decode path: drop --no-cuda-graph to use it")
         super().__init__(loaded, config)
+        if config.fused_ops:
+            require_triton_device(self.device)
         self.dummy_block = self.allocator.num_blocks  # the one block past those the allocator hands out
         self.graphs: DecodeGraphs | None = None
         self.eager_reason = self.why_not_capture(config)
         if config.cuda_graph:
             self.graphs = DecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
-                                       self.max_graph_batch(config), capture=self.eager_reason is None)
+                                       self.max_graph_batch(config), capture=self.eager_reason is None,
+                                       fused_ops=config.fused_ops)
         print(f"[{type(self).__name__}] decode: {self.graph_status()}", flush=True)  # said at start-up
 
     @staticmethod

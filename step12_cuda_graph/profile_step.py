@@ -1,7 +1,8 @@
 """Where one decode step's GPU time goes, once the host is out of the way (CUDA only).
 
-With graphs, a step lasts as long as the GPU needs for its kernels plus the small gaps between them. This
-script puts `--batch` requests of `--context` tokens in flight on a `CudaGraphEngine`, then measures:
+With graphs, a step lasts as long as the GPU needs for its kernels plus the small gaps between them. For
+each batch size, without and with `--fused-ops`, this script puts that many requests of `--context` tokens
+in flight on a `CudaGraphEngine` (one model, loaded once), then measures:
 - the replayed graph's time per step (CUDA events over many replays);
 - the same forward run eagerly under torch.profiler: every kernel's GPU time, summed per step and grouped
   (matrix multiplies, our attention kernels, element-wise and reductions, the rest), with the most costly
@@ -9,7 +10,7 @@ script puts `--batch` requests of `--context` tokens in flight on a `CudaGraphEn
 - the weight-read ceiling: the bytes of every weight a step reads, over the device's copy bandwidth.
 Writes JSON evidence.
 
-    python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batch 8 --context 160
+    python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 --context 160
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from common.bench import evidence_header
+from common.loading import LoadedModel, load_model
 from common.sampling import SamplingParams
 from step06_paged_attention.kernel_bench import copy_bandwidth_gbs
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
@@ -51,22 +53,13 @@ def weight_bytes_read(engine: CudaGraphEngine) -> int:
     return total
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="random:qwen2.5-7b")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--context", type=int, default=160, help="tokens each request holds during the step")
-    p.add_argument("--steps", type=int, default=20, help="replays timed, and eager steps profiled (a quarter)")
-    p.add_argument("--output", type=Path, default=None)
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("error: this profiles CUDA kernels and graphs: run it on a GPU machine", file=sys.stderr)
-        return 2
-    blocks = args.batch * -(-(args.context + 8) // 16) + 8
-    engine = CudaGraphEngine.from_config(CudaGraphEngineConfig(
-        model=args.model, device="cuda", num_blocks=blocks, max_graph_batch=args.batch, attn="triton"))
-    for i in range(args.batch):  # prompts one token short of the context; their first step prefills them
-        engine.add_request([1000 + (7 * i + j) % 30000 for j in range(args.context - 1)],
+def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, steps: int, fused_ops: bool) -> dict:
+    """One engine, `batch` requests of `context` tokens in flight: the replay timed, the kernels profiled."""
+    blocks = batch * -(-(context + 8) // 16) + 8
+    engine = CudaGraphEngine(loaded, CudaGraphEngineConfig(model=model, device="cuda", num_blocks=blocks,
+                                                           max_graph_batch=batch, attn="triton", fused_ops=fused_ops))
+    for i in range(batch):  # prompts one token short of the context; their first step prefills them
+        engine.add_request([1000 + (7 * i + j) % 30000 for j in range(context - 1)],
                            SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()
     requests = list(engine.running)
@@ -80,13 +73,13 @@ def main() -> int:
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(args.steps):
+    for _ in range(steps):
         graph.replay()
     end.record()
     end.synchronize()
-    replay_ms = start.elapsed_time(end) / args.steps
+    replay_ms = start.elapsed_time(end) / steps
 
-    eager_steps = max(1, args.steps // 4)
+    eager_steps = max(1, steps // 4)
     graphs.forward(bucket, False, engine.max_model_len)  # the same split count as the graph
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -103,33 +96,51 @@ def main() -> int:
     by_category: dict[str, float] = defaultdict(float)
     for k in kernels:
         by_category[k["category"]] += k["ms_per_step"]
-    kernel_ms = sum(by_category.values())
+    point = {"batch": batch, "bucket": bucket, "context": context, "fused_ops": fused_ops,
+             "replay_ms_per_step": replay_ms, "kernel_ms_per_step": sum(by_category.values()),
+             "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
+             "ms_per_step_by_category": dict(by_category), "top_kernels": kernels[:25],
+             "weight_bytes_read": weight_bytes_read(engine)}
+    del engine, graphs, graph
+    torch.cuda.empty_cache()
+    return point
 
-    device = engine.device
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="random:qwen2.5-7b")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--context", type=int, default=160, help="tokens each request holds during the step")
+    p.add_argument("--steps", type=int, default=20, help="replays timed, and eager steps profiled (a quarter)")
+    p.add_argument("--output", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("error: this profiles CUDA kernels and graphs: run it on a GPU machine", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    loaded = load_model(args.model, device, torch.bfloat16)
     copy_gbs = copy_bandwidth_gbs(device)
-    weights = weight_bytes_read(engine)
-    ceiling_ms = weights / (copy_gbs * 1e9) * 1e3
-    result = evidence_header(device, args.model, engine.model.dtype, batch=args.batch, bucket=bucket,
-                             context=args.context, graph_status=engine.graph_status()) | {
-        "replay_ms_per_step": replay_ms,
-        "kernel_ms_per_step": kernel_ms,
-        "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
-        "ms_per_step_by_category": dict(by_category),
-        "weight_bytes_read": weights, "copy_bandwidth_gbs": copy_gbs, "weight_read_ceiling_ms": ceiling_ms,
-        "replay_vs_ceiling": ceiling_ms / replay_ms,
-        "top_kernels": kernels[:25],
-    }
-    print(f"batch {args.batch} (bucket {bucket}), context {args.context}: replay {replay_ms:.2f} ms per step; "
-          f"kernels {kernel_ms:.2f} ms in {result['kernels_per_step']:.0f} launches; weight-read ceiling "
-          f"{ceiling_ms:.2f} ms ({100 * result['replay_vs_ceiling']:.0f}% of it reached)")
-    for name, ms in sorted(by_category.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:30s} {ms:7.3f} ms")
-    for k in kernels[:10]:
-        print(f"  {k['ms_per_step']:7.3f} ms  x{k['calls_per_step']:5.0f}  {k['name'][:90]}")
+    header = evidence_header(device, args.model, loaded.model.dtype, context=args.context, steps=args.steps,
+                             copy_bandwidth_gbs=copy_gbs)
+    points = []
+    for batch in map(int, args.batches.split(",")):
+        for fused_ops in (False, True):
+            point = profile_point(loaded, args.model, batch, args.context, args.steps, fused_ops)
+            point["weight_read_ceiling_ms"] = point["weight_bytes_read"] / (copy_gbs * 1e9) * 1e3
+            point["replay_vs_ceiling"] = point["weight_read_ceiling_ms"] / point["replay_ms_per_step"]
+            points.append(point)
+            print(f"batch {batch} (bucket {point['bucket']}), fused ops {fused_ops}: replay "
+                  f"{point['replay_ms_per_step']:.2f} ms per step; kernels {point['kernel_ms_per_step']:.2f} ms in "
+                  f"{point['kernels_per_step']:.0f} launches; weight-read ceiling {point['weight_read_ceiling_ms']:.2f} "
+                  f"ms ({100 * point['replay_vs_ceiling']:.0f}% of it reached)", flush=True)
+            for name, ms in sorted(point["ms_per_step_by_category"].items(), key=lambda kv: -kv[1]):
+                print(f"  {name:30s} {ms:7.3f} ms")
+            for k in point["top_kernels"][:8]:
+                print(f"  {k['ms_per_step']:7.3f} ms  x{k['calls_per_step']:5.0f}  {k['name'][:90]}")
     output = args.output or Path("results/step12_cuda_graph") / (
-        f"profile-cuda-{args.model.replace(':', '-').replace('/', '-')}-batch{args.batch}.json")
+        f"profile-cuda-{args.model.replace(':', '-').replace('/', '-')}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2) + "\n")
+    output.write_text(json.dumps(header | {"points": points}, indent=2) + "\n")
     print(f"wrote {output}")
     return 0
 

@@ -124,3 +124,10 @@ def test_embedded_model_parity_torch_backend(embedded: LoadedModel, embedded_hf,
         assert report.ok, report.describe()
         identical += report.equal
     assert identical >= len(prompts) - 1
+
+
+@needs_triton
+def test_triton_on_a_cpu_asks_for_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        create_backend("triton", torch.device("cpu"), 16)

@@ -101,8 +101,9 @@ def test_embedded_model_matches_hf(embedded: LoadedModel, embedded_hf, embedded_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")
+@pytest.mark.parametrize("fused_ops", [False, True])
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
-def test_captured_graphs_match_step06_on_cuda(model: str) -> None:
+def test_captured_graphs_match_step06_on_cuda(model: str, fused_ops: bool) -> None:
     """fp32, our Triton kernels in both engines: replayed graphs give step 06's eager tokens, with
     arrivals, non-bucket batches and a budget tight enough to preempt."""
     loaded = load_model(model, device="cuda", dtype=torch.float32)
@@ -113,7 +114,7 @@ def test_captured_graphs_match_step06_on_cuda(model: str) -> None:
     expected = staggered_generate(step06, prompts, params, arrive_every=1)
     for num_blocks in (64, 10):
         engine = CudaGraphEngine(loaded, CudaGraphEngineConfig(device="cuda", block_size=16, num_blocks=num_blocks,
-                                                               attn="triton", max_graph_batch=8))
+                                                               attn="triton", max_graph_batch=8, fused_ops=fused_ops))
         assert engine.eager_reason is None and engine.graphs is not None and engine.graphs.graphs
         outputs = staggered_generate(engine, prompts, params, arrive_every=1)
         # The graphs fix the decode kernel's split count, so float32 sums may be ordered differently from
