@@ -19,6 +19,7 @@ import json
 import random
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -77,7 +78,8 @@ def copy_bandwidth_gbs(device: torch.device, gigabytes: float = 2.0, repeats: in
 
 
 def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                dtype: torch.dtype, device: torch.device, chosen_splits: int, repeats: int) -> dict:
+                dtype: torch.dtype, device: torch.device, chosen_splits: int, repeats: int,
+                other_tiles: Sequence[int] = ()) -> dict:
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
@@ -94,10 +96,11 @@ def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
                                                enable_gqa=True)[:, :, 0]
     splits_tried = sorted({s for s in SPLITS_TRIED if s <= max(1, context // 64)} | {chosen_splits})
 
-    def decode(splits: int) -> torch.Tensor:
-        return triton_kernels.paged_decode(q, k_cache, v_cache, table, lens, num_splits=splits)
+    def decode(splits: int, tile: int = triton_kernels.DECODE_TILE) -> torch.Tensor:
+        return triton_kernels.paged_decode(q, k_cache, v_cache, table, lens, num_splits=splits, tile=tile)
 
-    error = max((decode(s).float() - reference).abs().max().item() for s in splits_tried)
+    error = max((decode(s, t).float() - reference).abs().max().item()
+                for s in splits_tried for t in (triton_kernels.DECODE_TILE, *other_tiles))
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     row = {"batch": batch, "context": context, "splits": chosen_splits, "max_abs_error": error,
            "correct": error <= tolerance}
@@ -107,6 +110,9 @@ def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
     ms_by_splits = {s: timed_ms(lambda: decode(s), repeats) for s in splits_tried}
     kernel_ms = ms_by_splits[chosen_splits]
     best_splits = min(ms_by_splits, key=ms_by_splits.get)
+    # Other tile sizes (tokens loaded per loop iteration), each at the best split count found above.
+    ms_by_tile = {triton_kernels.DECODE_TILE: ms_by_splits[best_splits]}
+    ms_by_tile |= {t: timed_ms(lambda: decode(best_splits, t), repeats) for t in other_tiles}
     sdpa_ms = timed_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, enable_gqa=True),
                        repeats)
     row |= {
@@ -116,6 +122,7 @@ def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
         "kernel_vs_sdpa": sdpa_ms / kernel_ms,
         "ms_by_splits": ms_by_splits, "best_splits": best_splits,
         "best_gbs": kv_bytes / (ms_by_splits[best_splits] * 1e-3) / 1e9,
+        "ms_by_tile_at_best_splits": ms_by_tile,
     }
     return row
 
@@ -126,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,16,32,64")
     p.add_argument("--contexts", default="128,512,2048,8192")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--other-tiles", default="", help="also time these tile sizes (e.g. 32,128) at each point's "
+                                                      "best split count")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--repeats", type=int, default=10, help=f"graph replays ({CALLS_PER_GRAPH} calls each) per figure")
     p.add_argument("--output", type=Path, default=Path("results/step06_paged_attention/kernel-bench-cuda.json"))
@@ -147,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         for context in map(int, args.contexts.split(",")):
             splits = backend.num_splits(batch, config.num_kv_heads, context)
             row = bench_point(batch, context, config.num_heads, config.num_kv_heads, config.head_dim,
-                              args.block_size, dtype, device, splits, args.repeats)
+                              args.block_size, dtype, device, splits, args.repeats,
+                              [int(t) for t in args.other_tiles.split(",") if t])
             if row["correct"]:
                 row["kernel_vs_copy"] = row["kernel_gbs"] / header["copy_bandwidth_gbs"]
                 print(f"batch {batch:3d} context {context:5d} splits {splits:2d}: {row['kernel_gbs']:7.0f} GB/s "

@@ -44,6 +44,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                                 ROW=row, ROW_PAD=triton.next_power_of_2(row))
 
 
+DECODE_TILE = 64  # tokens of K/V a decode program loads per loop iteration
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs are multiplied exactly, as the float32 reference does (for 16-bit inputs the choice
     makes no difference)."""
@@ -136,7 +139,7 @@ def _merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, num_splits: int = 1, tile: int = 64) -> torch.Tensor:
+                 seq_lens: torch.Tensor, num_splits: int = 1, tile: int = DECODE_TILE) -> torch.Tensor:
     """q: [batch, heads, head_dim]; caches: one layer, [num_blocks, block_size, kv_heads, head_dim];
     block_table: [batch, max_blocks] int32; seq_lens: [batch] int32 (tokens cached, the new one included).
     Returns [batch, heads, head_dim] in q's dtype."""
