@@ -183,7 +183,8 @@ class DecodeGraphs:
         return self.tokens[:n].tolist()  # waits for the step: the tokens are real
 
     def describe(self) -> str:
+        fused = ", fused element-wise kernels" if self.context_class is not PagedAttentionForward else ""
         if not self.graphs:
-            return f"decode on static buffers, eager (buckets {self.buckets})"
-        return (f"{len(self.graphs)} CUDA graphs (buckets {self.buckets}, greedy and sampling) captured in "
-                f"{self.capture_seconds:.1f} s, {self.capture_bytes / 2**20:.0f} MiB of graph memory")
+            return f"decode on static buffers, eager (buckets {self.buckets}{fused})"
+        return (f"{len(self.graphs)} CUDA graphs (buckets {self.buckets}, greedy and sampling{fused}) captured "
+                f"in {self.capture_seconds:.1f} s, {self.capture_bytes / 2**20:.0f} MiB of graph memory")
