@@ -178,3 +178,16 @@ def tiny_config(arch: str) -> ModelConfig:
 
 
 TINY_ARCHES = tuple(_ARCH_TO_HF)
+
+
+def weight_params_per_decode_step(config: ModelConfig) -> int:
+    """How many weights one decode step must read, from its config: every layer's q, k, v
+    and o projections (with the q, k, v biases if `qkv_bias`), the MLP's gate, up and down projections, the
+    two norms (and the per-head q and k norms if `qk_norm`), the final norm, and the output head. The
+    embedding table is not read whole: a step looks up one row per request, so only the head's matrix
+    counts, whether or not it is tied to the embedding."""
+    h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if config.qkv_bias else 0) + (2 * d if config.qk_norm else 0)
+    layer = attention + 3 * h * inter + 2 * h
+    return config.num_layers * layer + h + h * config.vocab_size

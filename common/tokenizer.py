@@ -24,11 +24,12 @@ class Tokenizer:
         if hf_tokenizer.eos_token_id is not None:
             ids.add(hf_tokenizer.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(ids)
-        # Detokenizing decodes twice per token per request. The Rust tokenizer's own decode skips
-        # transformers' Python wrapper, which costs twice as much as the decoding itself (milliseconds per
-        # step at a few hundred requests). Used only where the wrapper would not change the text.
+        # Detokenizing decodes twice per token per request, so on a large batch it is a real share of each
+        # step's host time. The Rust tokenizer's own decode skips transformers' Python wrapper around it;
+        # used only where the wrapper would not change the text (no clean-up of spaces).
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-        self._rust_decode = backend.decode if backend is not None and not hf_tokenizer.clean_up_tokenization_spaces else None
+        fast = backend is not None and not hf_tokenizer.clean_up_tokenization_spaces
+        self._rust_decode = backend.decode if fast else None
 
     @classmethod
     def from_dir(cls, path: str | Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:

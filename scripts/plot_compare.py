@@ -12,8 +12,8 @@ commit the evidence records. `compare.py` calls `write_plot` itself after writin
 With --ceiling-bandwidth-tbs, a dashed grey line adds the weight-read ceiling: a batched decode step reads
 every weight it uses at least once (all of them but the embedding table, of which it reads one row per
 request), so a step takes at least (weight bytes) / (memory bandwidth), and the output is at most
-batch x bandwidth / (weight bytes) tokens per second. The weights are counted from the model's
-config (`weight_params_per_decode_step`), so this needs the project importable (installed, or
+batch x bandwidth / (weight bytes) tokens per second. The weights are counted from the model's config
+(`common.config.weight_params_per_decode_step`), so this needs the project importable (installed, or
 PYTHONPATH=.); the bandwidth is the flag's, a measurement of one device, not anything in the evidence. The
 bound leaves out every other byte a step moves (KV cache, activations), which can only lower the true
 figure, and it is only as high as the bandwidth given: a kernel that reads faster than the measured copy
@@ -75,19 +75,6 @@ def workload_note(doc: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def weight_params_per_decode_step(config: Any) -> int:
-    """How many weights one decode step must read, from a `common.config.ModelConfig`: every layer's q, k, v
-    and o projections (with the q, k, v biases if `qkv_bias`), the MLP's gate, up and down projections, the
-    two norms (and the per-head q and k norms if `qk_norm`), the final norm, and the output head. The
-    embedding table is not read whole: a step looks up one row per request, so only the head's matrix
-    counts, whether or not it is tied to the embedding."""
-    h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_heads * d, config.num_kv_heads * d
-    attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if config.qkv_bias else 0) + (2 * d if config.qk_norm else 0)
-    layer = attention + 3 * h * inter + 2 * h
-    return config.num_layers * layer + h + h * config.vocab_size
-
-
 def model_config_of(model: str) -> Any:
     """The `ModelConfig` of the model an evidence file names: `random:<config>`, `tiny-<arch>`, the embedded
     model, or a local folder (a Hugging Face id is refused rather than downloaded)."""
@@ -111,7 +98,10 @@ def plot_ceiling(ax, doc: dict[str, Any], bandwidth_tbs: float) -> None:
     """The weight-read ceiling, batch x bandwidth / weight bytes, as a dashed grey line over the file's batches."""
     if doc.get("dtype") not in BYTES_PER_PARAM:
         raise SystemExit(f"no weight size known for dtype {doc.get('dtype')!r}")
-    weight_bytes = weight_params_per_decode_step(model_config_of(doc["model"])) * BYTES_PER_PARAM[doc["dtype"]]
+    config = model_config_of(doc["model"])  # says what to do if the project is not importable
+    from common.config import weight_params_per_decode_step
+
+    weight_bytes = weight_params_per_decode_step(config) * BYTES_PER_PARAM[doc["dtype"]]
     steps_per_s = bandwidth_tbs * 1e12 / weight_bytes
     batches = sorted({r["batch"] for r in doc["runs"]})
     for b in batches:

@@ -127,6 +127,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             is_prefill=False, slot_mapping=s.slot_mapping[:bucket], block_table=s.block_table[:bucket],
             seq_lens=s.seq_lens[:bucket], cu_q_lens=self.cu_q_lens[: bucket + 1], q_lens=[1] * bucket,
+            # No host lengths: a replay could not see them. Decode backends read `seq_lens` on the device.
             seq_lens_host=[], max_q_len=1, max_seq_len=max_seq_len, block_size=s.block_size,
         )
         positions = s.positions[:bucket]
@@ -145,12 +146,12 @@ class DecodeGraphs:
         reserved_before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         frozen_len = self.max_model_len  # the longest any row can get: fixes the split count
+        side = torch.cuda.Stream(self.device)
         for bucket in reversed(self.buckets):
             self.inputs.fill([], [], [], bucket)  # every row on the dummy block: capture writes nothing real
             for sampled in (False, True):
                 # One eager run first, on a side stream: Triton compiles, cuBLAS picks its kernels, and the
                 # allocator settles, none of which may happen during the capture.
-                side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
                     self.forward(bucket, sampled, frozen_len)
@@ -172,7 +173,8 @@ class DecodeGraphs:
         if sampled:
             params = [r.params for r in requests] + [_PAD_PARAMS] * (bucket - n)
             positions = [len(r.output_token_ids) for r in requests] + [0] * (bucket - n)
-            rows = SamplingTensors.build(params, positions, self.model.config.vocab_size, self.device)
+            # Built on the host and copied into the static buffers: one small transfer per field.
+            rows = SamplingTensors.build(params, positions, self.model.config.vocab_size, torch.device("cpu"))
             for f in fields(SamplingTensors):
                 getattr(self.sampling, f.name)[:bucket].copy_(getattr(rows, f.name))
         graph = self.graphs.get((bucket, sampled))

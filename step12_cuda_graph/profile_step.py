@@ -25,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from common.bench import evidence_header
+from common.config import weight_params_per_decode_step
 from common.loading import LoadedModel, load_model
 from common.sampling import SamplingParams
 from step06_paged_attention.kernel_bench import copy_bandwidth_gbs
@@ -40,17 +41,6 @@ CATEGORIES = {  # first match wins, on the lower-cased kernel name
 def category_of(kernel: str) -> str:
     name = kernel.lower()
     return next((c for c, keys in CATEGORIES.items() if any(k in name for k in keys)), "other")
-
-
-def weight_bytes_read(engine: CudaGraphEngine) -> int:
-    """Every parameter a decode step reads: all of them, less the embedding table unless it is the head
-    too (a step looks up one embedding row per request)."""
-    model = engine.model
-    total = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head counts once
-    embedding = model.model.embed_tokens.weight
-    if model.lm_head.weight is not embedding:
-        total -= embedding.numel() * embedding.element_size()
-    return total
 
 
 def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, steps: int, fused_ops: bool) -> dict:
@@ -99,8 +89,7 @@ def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, ste
     point = {"batch": batch, "bucket": bucket, "context": context, "fused_ops": fused_ops,
              "replay_ms_per_step": replay_ms, "kernel_ms_per_step": sum(by_category.values()),
              "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
-             "ms_per_step_by_category": dict(by_category), "top_kernels": kernels[:25],
-             "weight_bytes_read": weight_bytes_read(engine)}
+             "ms_per_step_by_category": dict(by_category), "top_kernels": kernels[:25]}
     del engine, graphs, graph
     torch.cuda.empty_cache()
     return point
@@ -120,19 +109,21 @@ def main() -> int:
     device = torch.device("cuda")
     loaded = load_model(args.model, device, torch.bfloat16)
     copy_gbs = copy_bandwidth_gbs(device)
+    weight_bytes = weight_params_per_decode_step(loaded.model.config) * loaded.model.dtype.itemsize
+    ceiling_ms = weight_bytes / (copy_gbs * 1e9) * 1e3  # reading every weight once, at the copy bandwidth
     header = evidence_header(device, args.model, loaded.model.dtype, context=args.context, steps=args.steps,
-                             copy_bandwidth_gbs=copy_gbs)
+                             copy_bandwidth_gbs=copy_gbs, weight_bytes_read=weight_bytes,
+                             weight_read_ceiling_ms=ceiling_ms)
     points = []
     for batch in map(int, args.batches.split(",")):
         for fused_ops in (False, True):
             point = profile_point(loaded, args.model, batch, args.context, args.steps, fused_ops)
-            point["weight_read_ceiling_ms"] = point["weight_bytes_read"] / (copy_gbs * 1e9) * 1e3
-            point["replay_vs_ceiling"] = point["weight_read_ceiling_ms"] / point["replay_ms_per_step"]
+            point["replay_vs_ceiling"] = ceiling_ms / point["replay_ms_per_step"]
             points.append(point)
             print(f"batch {batch} (bucket {point['bucket']}), fused ops {fused_ops}: replay "
                   f"{point['replay_ms_per_step']:.2f} ms per step; kernels {point['kernel_ms_per_step']:.2f} ms in "
-                  f"{point['kernels_per_step']:.0f} launches; weight-read ceiling {point['weight_read_ceiling_ms']:.2f} "
-                  f"ms ({100 * point['replay_vs_ceiling']:.0f}% of it reached)", flush=True)
+                  f"{point['kernels_per_step']:.0f} launches; weight-read ceiling {ceiling_ms:.2f} ms "
+                  f"({100 * point['replay_vs_ceiling']:.0f}% of it reached)", flush=True)
             for name, ms in sorted(point["ms_per_step_by_category"].items(), key=lambda kv: -kv[1]):
                 print(f"  {name:30s} {ms:7.3f} ms")
             for k in point["top_kernels"][:8]:
