@@ -69,6 +69,14 @@ profile_step() {
     --output "$OUT/profile-cuda-random-qwen2.5-7b.json"
 }
 
+step12_fused() {
+  echo "== step12 end to end, without and with --fused-ops: random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
+  for fused in "" --fused-ops; do
+    python step12_cuda_graph/run.py --bench --model random:qwen2.5-7b --device cuda --batch-sizes 1,8,64 \
+      --max-tokens 128 --repeats 2 --no-hf $fused --bench-output "$OUT/step12-bench${fused:+-fused-ops}.json"
+  done
+}
+
 sync_ablation() {
   echo "== step06 with and without a .item() in every layer (the host waits for the GPU 28 times a step)"
   for sync in "" --sync-per-layer; do
@@ -104,5 +112,5 @@ serve() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long graphs_large profile_step sync_ablation checkpoint_memory preempt serve)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long graphs_large profile_step step12_fused sync_ablation checkpoint_memory preempt serve)
 for section in "${sections[@]}"; do "$section"; done
