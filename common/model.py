@@ -38,9 +38,13 @@ class ForwardContext(ABC):
         Returns [num_tokens, num_heads, head_dim].
         """
 
-    # The element-wise work around the matrix multiplies. These defaults are plain PyTorch, several small
-    # kernels each; a context may run them fused instead (step 12 does, where the launches are replayed
-    # from a CUDA graph and each kernel's fixed cost is what remains).
+    # The work around attention. These defaults are plain PyTorch, one matrix multiply per projection and
+    # several small kernels per element-wise chain; a context may run them fused instead (step 12 does, where
+    # the launches are replayed from a CUDA graph and each kernel's fixed cost is what remains).
+    def project(self, x: torch.Tensor, projections: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+        """x through linear layers that all take it as input (q, k and v; gate and up)."""
+        return tuple(projection(x) for projection in projections)
+
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
 
@@ -113,9 +117,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = ctx.project(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = ctx.rms_norm(self.q_norm, q), ctx.rms_norm(self.k_norm, k)
         q, k = ctx.rotate(q, k, *rope)
@@ -131,7 +136,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.down_proj(ctx.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = ctx.project(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(ctx.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):

@@ -71,9 +71,9 @@ profile_step() {
 
 step12_fused() {
   echo "== step12 end to end, without and with --fused-ops: random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
-  for fused in "" --fused-ops; do
+  for fused in --no-fused-ops --fused-ops; do
     python step12_cuda_graph/run.py --bench --model random:qwen2.5-7b --device cuda --batch-sizes 1,8,64 \
-      --max-tokens 128 --repeats 2 --no-hf $fused --bench-output "$OUT/step12-bench${fused:+-fused-ops}.json"
+      --max-tokens 128 --repeats 2 --no-hf $fused --bench-output "$OUT/step12-bench${fused}.json"
   done
 }
 

@@ -22,25 +22,26 @@ import triton.language as tl
 
 
 @triton.jit
-def _write_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS, stride_new_t, stride_slot,
+def _write_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS, stride_k_t, stride_v_t, stride_slot,
                      ROW: tl.constexpr, ROW_PAD: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(SLOTS + t).to(tl.int64)
     cols = tl.arange(0, ROW_PAD)
     mask = cols < ROW
-    k = tl.load(K_NEW + t * stride_new_t + cols, mask=mask)
-    v = tl.load(V_NEW + t * stride_new_t + cols, mask=mask)
+    k = tl.load(K_NEW + t * stride_k_t + cols, mask=mask)
+    v = tl.load(V_NEW + t * stride_v_t + cols, mask=mask)
     tl.store(K_CACHE + slot * stride_slot + cols, k, mask=mask)
     tl.store(V_CACHE + slot * stride_slot + cols, v, mask=mask)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k, v: [tokens, kv_heads, head_dim]; caches: one layer, [num_blocks, block_size, kv_heads, head_dim]."""
+    """k, v: [tokens, kv_heads, head_dim], each token's row contiguous (tokens may be strided, as in slices of
+    one packed projection); caches: one layer, [num_blocks, block_size, kv_heads, head_dim]."""
     tokens, kv_heads, head_dim = k.shape
     row = kv_heads * head_dim
     k, v = k.reshape(tokens, row), v.reshape(tokens, row)
-    _write_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), row,
+    _write_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), row,
                                 ROW=row, ROW_PAD=triton.next_power_of_2(row))
 
 

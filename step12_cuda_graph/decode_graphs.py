@@ -22,7 +22,7 @@ padded, static-buffer forward simply runs eagerly: the path is the same, only no
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 
 import torch
@@ -97,11 +97,15 @@ class DecodeGraphs:
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
                  dummy_block: int, max_batch: int, capture: bool, fused_ops: bool = False) -> None:
         self.model, self.cache, self.backend, self.max_model_len = model, cache, backend, max_model_len
-        self.context_class = PagedAttentionForward
+        self.make_context: Callable[[AttentionMetadata, torch.Tensor], PagedAttentionForward] = (
+            lambda meta, positions: PagedAttentionForward(cache, backend, meta, positions))
+        self.fused_ops = fused_ops
         if fused_ops:  # imported only when asked for: Triton is not installed everywhere
             from step12_cuda_graph.fused_forward import FusedOpsForward
+            from step12_cuda_graph.packed_projections import PackedProjections
 
-            self.context_class = FusedOpsForward
+            packed = PackedProjections(model)
+            self.make_context = lambda meta, positions: FusedOpsForward(cache, backend, meta, positions, packed)
         self.device = model.device
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
@@ -131,7 +135,7 @@ class DecodeGraphs:
             seq_lens_host=[], max_q_len=1, max_seq_len=max_seq_len, block_size=s.block_size,
         )
         positions = s.positions[:bucket]
-        hidden = self.model(s.input_ids[:bucket], self.context_class(self.cache, self.backend, meta, positions))
+        hidden = self.model(s.input_ids[:bucket], self.make_context(meta, positions))
         logits = self.model.compute_logits(hidden)
         if sampled:
             rows = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:bucket] for f in fields(SamplingTensors)})
@@ -143,6 +147,9 @@ class DecodeGraphs:
         """Record every bucket's graphs, largest first, all in one memory pool (they never run at once)."""
         started = time.perf_counter()
         torch.cuda.synchronize(self.device)
+        # Cached blocks nobody holds are handed back first: the allocator could otherwise release them in the
+        # middle of the capture (when it runs short), and the difference below would mean nothing.
+        torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         frozen_len = self.max_model_len  # the longest any row can get: fixes the split count
@@ -185,7 +192,7 @@ class DecodeGraphs:
         return self.tokens[:n].tolist()  # waits for the step: the tokens are real
 
     def describe(self) -> str:
-        fused = ", fused element-wise kernels" if self.context_class is not PagedAttentionForward else ""
+        fused = ", fused ops: packed projections, fused element-wise kernels" if self.fused_ops else ""
         if not self.graphs:
             return f"decode on static buffers, eager (buckets {self.buckets}{fused})"
         return (f"{len(self.graphs)} CUDA graphs (buckets {self.buckets}, greedy and sampling{fused}) captured "

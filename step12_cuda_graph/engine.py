@@ -25,7 +25,9 @@ from step12_cuda_graph.decode_graphs import GRAPH_BYTES_PER_LOGIT, DecodeGraphs
 class CudaGraphEngineConfig(PreemptionEngineConfig):
     cuda_graph: bool = True  # False: step 07's eager decode, for comparison
     max_graph_batch: int = 256  # larger decode batches run eagerly
-    fused_ops: bool = False  # RMSNorm, RoPE and SiLU-and-multiply as one Triton kernel each, in decode
+    # Decode with packed projections and one Triton kernel per element-wise chain (`fused_forward.py`).
+    # None: on wherever decode is captured, the case it was measured for; True on CPU needs TRITON_INTERPRET=1.
+    fused_ops: bool | None = None
 
 
 class CudaGraphEngine(PreemptionEngine):
@@ -36,15 +38,16 @@ class CudaGraphEngine(PreemptionEngine):
         if config.fused_ops and not config.cuda_graph:
             raise ValueError("--fused-ops changes the graph decode path: drop --no-cuda-graph to use it")
         super().__init__(loaded, config)
-        if config.fused_ops:
-            require_triton_device(self.device)
         self.dummy_block = self.allocator.num_blocks  # the one block past those the allocator hands out
         self.graphs: DecodeGraphs | None = None
         self.eager_reason = self.why_not_capture(config)
+        fused_ops = self.eager_reason is None if config.fused_ops is None else config.fused_ops
+        if fused_ops:
+            require_triton_device(self.device)
         if config.cuda_graph:
             self.graphs = DecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
                                        self.max_graph_batch(config), capture=self.eager_reason is None,
-                                       fused_ops=config.fused_ops)
+                                       fused_ops=fused_ops)
         print(f"[{type(self).__name__}] decode: {self.graph_status()}", flush=True)  # said at start-up
 
     @staticmethod

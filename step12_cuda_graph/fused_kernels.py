@@ -42,16 +42,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @triton.jit
 def _rope_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
-                 HEADS: tl.constexpr, HALF: tl.constexpr):
+                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)  # the query heads first, then the key heads
     d = tl.arange(0, HALF)
+    # The inputs may be strided (slices of one packed projection); the outputs are contiguous.
     if h < HEADS:
         src = Q + t * stride_qt + h * stride_qh
-        dst = Q_OUT + t * stride_qt + h * stride_qh
+        dst = Q_OUT + (t * HEADS + h) * 2 * HALF
     else:
         src = K + t * stride_kt + (h - HEADS) * stride_kh
-        dst = K_OUT + t * stride_kt + (h - HEADS) * stride_kh
+        dst = K_OUT + (t * KV_HEADS + h - HEADS) * 2 * HALF
     x1 = tl.load(src + d).to(tl.float32)
     x2 = tl.load(src + HALF + d).to(tl.float32)
     cos1 = tl.load(COS + t * stride_ct + d).to(tl.float32)
@@ -65,12 +66,14 @@ def _rope_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, stride_qt, stride_qh, stride_kt, 
 
 def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in one launch; cos and sin are
-    [tokens, 1, head_dim]. Every input contiguous; returns new tensors."""
+    [tokens, 1, head_dim]. Each head's vector must be contiguous; returns new, contiguous tensors."""
     tokens, heads, head_dim = q.shape
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    _rope_kernel[(tokens, heads + k.shape[1])](
+    kv_heads = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _rope_kernel[(tokens, heads + kv_heads)](
         q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        HEADS=heads, HALF=head_dim // 2,
+        HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2,
     )
     return q_out, k_out
 

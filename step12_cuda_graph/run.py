@@ -22,8 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay decode steps as CUDA graphs (default; on CPU the same path runs eagerly)")
     graphs.add_argument("--max-graph-batch", type=int, default=256,
                         help="the largest decode batch with a graph; larger batches run eagerly (default 256)")
-    graphs.add_argument("--fused-ops", action="store_true",
-                        help="decode with RMSNorm, RoPE and SiLU-and-multiply as one Triton kernel each")
+    graphs.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=None,
+                        help="decode with packed projections and one Triton kernel per element-wise chain "
+                             "(default: on wherever decode is captured as graphs)")
 
 
 if __name__ == "__main__":

@@ -38,13 +38,19 @@ def test_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotate_matches_apply_rope(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_rotate_matches_apply_rope(dtype: torch.dtype, packed: bool) -> None:
     config = tiny_config("qwen2")
     rope = RotaryEmbedding(config, DEVICE)
     positions = torch.tensor([0, 7, 3, 120, 55], device=DEVICE)
     cos, sin = rope.lookup(positions, dtype)
-    q = torch.randn(5, 6, config.head_dim, device=DEVICE, dtype=dtype)
-    k = torch.randn(5, 2, config.head_dim, device=DEVICE, dtype=dtype)
+    dim = config.head_dim
+    if packed:  # column slices of one q/k/v projection, as step 12's packed projections return them
+        q, k, _ = torch.randn(5, 10 * dim, device=DEVICE, dtype=dtype).split([6 * dim, 2 * dim, 2 * dim], dim=-1)
+        q, k = q.view(5, 6, dim), k.view(5, 2, dim)
+    else:
+        q = torch.randn(5, 6, dim, device=DEVICE, dtype=dtype)
+        k = torch.randn(5, 2, dim, device=DEVICE, dtype=dtype)
     q_out, k_out = fused_kernels.rotate(q, k, cos, sin)
     torch.testing.assert_close(q_out, apply_rope(q, cos, sin), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     torch.testing.assert_close(k_out, apply_rope(k, cos, sin), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

@@ -113,6 +113,7 @@ def test_flash_attn_backend_matches_step01() -> None:
     assert_same_as_step01(tiny, prompts, flash_engine.generate(prompts, params), torch_engine.generate(prompts, params))
 
 
+@pytest.mark.embedded
 def test_embedded_model_parity_torch_backend(embedded: LoadedModel, embedded_hf, embedded_reference) -> None:
     prompts = [ids for ids, _ in embedded_reference]
     engine = PagedAttentionEngine(embedded, PagedAttentionEngineConfig(device="cpu", block_size=16,

@@ -72,12 +72,18 @@ def test_paged_decode_matches_reference(group: int, block_size: int, num_splits:
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_write_kv_stores_each_token_at_its_slot(block_size: int) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_write_kv_stores_each_token_at_its_slot(block_size: int, packed: bool) -> None:
     k_cache, v_cache = make_cache(16, block_size, torch.float32)
     before_k, before_v = k_cache.clone(), v_cache.clone()
     slots = torch.tensor([37, 2, 60 % (16 * block_size), 11], device=DEVICE)
-    k_new = torch.randn(4, KV_HEADS, HEAD_DIM, device=DEVICE)
-    v_new = torch.randn(4, KV_HEADS, HEAD_DIM, device=DEVICE)
+    row = KV_HEADS * HEAD_DIM
+    if packed:  # column slices of packed projections (step 12): k and v with different token strides
+        k_new = torch.randn(4, 3 * row, device=DEVICE)[:, row : 2 * row].view(4, KV_HEADS, HEAD_DIM)
+        v_new = torch.randn(4, 5 * row, device=DEVICE)[:, 4 * row :].view(4, KV_HEADS, HEAD_DIM)
+    else:
+        k_new = torch.randn(4, KV_HEADS, HEAD_DIM, device=DEVICE)
+        v_new = torch.randn(4, KV_HEADS, HEAD_DIM, device=DEVICE)
     triton_kernels.write_kv(k_new, v_new, k_cache, v_cache, slots)
     expected_k, expected_v = before_k.flatten(0, 1), before_v.flatten(0, 1)
     expected_k[slots.long()] = k_new
