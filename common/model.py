@@ -48,6 +48,11 @@ class ForwardContext(ABC):
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
 
+    def add_rms_norm(self, norm: RMSNorm, x: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after adding `update`, and that stream normalised: (x + update, norm(x + update))."""
+        x = x + update
+        return x, norm(x)
+
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim]."""
@@ -149,8 +154,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(ctx.rms_norm(self.input_layernorm, x), ctx, rope)
-        return x + self.mlp(ctx.rms_norm(self.post_attention_layernorm, x), ctx)
+        attended = self.self_attn(ctx.rms_norm(self.input_layernorm, x), ctx, rope)
+        x, normed = ctx.add_rms_norm(self.post_attention_layernorm, x, attended)
+        return x + self.mlp(normed, ctx)
 
 
 class DecoderBody(nn.Module):

@@ -32,6 +32,9 @@ class FusedOpsForward(PagedAttentionForward):
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return fused_kernels.rms_norm(x, norm.weight, norm.eps)
 
+    def add_rms_norm(self, norm: RMSNorm, x: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_kernels.add_rms_norm(x, update, norm.weight, norm.eps)
+
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         return fused_kernels.rotate(q, k, cos, sin)

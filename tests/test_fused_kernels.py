@@ -38,6 +38,17 @@ def test_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm(dtype: torch.dtype) -> None:
+    norm = RMSNorm(96, 1e-6).to(DEVICE, dtype)
+    norm.weight.data.normal_(1.0, 0.1)
+    x = torch.randn(5, 96, device=DEVICE, dtype=dtype) * 3
+    update = torch.randn_like(x)
+    total, normed = fused_kernels.add_rms_norm(x, update, norm.weight, norm.eps)
+    assert torch.equal(total, x + update)  # one rounding of an exact float32 sum: the same as PyTorch's
+    torch.testing.assert_close(normed, norm(x + update), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("packed", [False, True])
 def test_rotate_matches_apply_rope(dtype: torch.dtype, packed: bool) -> None:
     config = tiny_config("qwen2")
