@@ -28,7 +28,6 @@ from dataclasses import fields
 import torch
 
 from common.model import CausalLM
-from common.request import Request
 from common.sampling import SamplingParams, SamplingTensors, sample_rows
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend, AttentionMetadata
@@ -53,31 +52,42 @@ def graph_buckets(max_batch: int) -> list[int]:
 class StaticDecodeInputs:
     """A decode batch's integer inputs at fixed device addresses, refilled from pinned host memory by one copy.
 
-    One flat int32 buffer laid out as [token ids | positions | lengths | slots | block table], the first four
-    `max_batch` long and the table `max_batch` rows of `width` blocks: a bucket's rows are then a prefix of
-    it, so one copy of that prefix refreshes everything a replay reads."""
+    One flat int32 buffer laid out as [token ids | previous rows | positions | lengths | slots | block table],
+    the first five `max_batch` long and the table `max_batch` rows of `width` blocks: a bucket's rows are
+    then a prefix of it, so one copy of that prefix refreshes everything a replay reads. A row's "previous
+    row" is -1, or the row of the previous replay whose sampled token is this row's input (see `forward`)."""
+
+    FIELDS = 5  # the per-row fields before the block table
 
     def __init__(self, max_batch: int, width: int, block_size: int, dummy_block: int, device: torch.device):
         self.max_batch, self.width, self.block_size, self.dummy_block = max_batch, width, block_size, dummy_block
-        size = 4 * max_batch + max_batch * width
+        size = self.FIELDS * max_batch + max_batch * width
         self.device_buffer = torch.zeros(size, dtype=torch.int32, device=device)
-        # Pinned memory lets the copy run asynchronously; the next fill waits for this step's tokens anyway.
+        # Pinned memory lets the copy run asynchronously. The host must then not rewrite it before the copy
+        # has run: `copied` marks that moment, and the next fill waits for it.
         self.host_buffer = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.input_ids, self.positions, self.seq_lens, self.slot_mapping, self.block_table = self.views(self.device_buffer)
+        self.copied: torch.cuda.Event | None = None
+        (self.input_ids, self.previous_rows, self.positions, self.seq_lens, self.slot_mapping,
+         self.block_table) = self.views(self.device_buffer)
         self.host = self.views(self.host_buffer)
 
     def views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
         b = self.max_batch
-        table = buffer[4 * b :].view(b, self.width)
-        return buffer[:b], buffer[b : 2 * b], buffer[2 * b : 3 * b], buffer[3 * b : 4 * b], table
+        per_row = [buffer[i * b : (i + 1) * b] for i in range(self.FIELDS)]
+        return (*per_row, buffer[self.FIELDS * b :].view(b, self.width))
 
-    def fill(self, token_ids: Sequence[int], seq_lens: Sequence[int], tables: Sequence[list[int]], bucket: int) -> None:
+    def fill(self, token_ids: Sequence[int], seq_lens: Sequence[int], tables: Sequence[list[int]], bucket: int,
+             previous_rows: Sequence[int] | None = None) -> None:
         """Rows 0..n-1 get the requests; rows n..bucket-1 are padding: one token at position 0 of the dummy block."""
-        ids, positions, lens, slots, table = self.host
+        if self.copied is not None:
+            self.copied.synchronize()  # the last copy out of the host buffer has run
+        ids, previous, positions, lens, slots, table = self.host
         pad = bucket - len(token_ids)
         size, dummy = self.block_size, self.dummy_block
         pos = [n - 1 for n in seq_lens]  # the new token's position: it is the last of its sequence
         ids[:bucket] = torch.tensor([*token_ids, *[0] * pad], dtype=torch.int32)
+        previous_rows = [-1] * len(token_ids) if previous_rows is None else previous_rows
+        previous[:bucket] = torch.tensor([*previous_rows, *[-1] * pad], dtype=torch.int32)
         positions[:bucket] = torch.tensor([*pos, *[0] * pad], dtype=torch.int32)
         lens[:bucket] = torch.tensor([*seq_lens, *[1] * pad], dtype=torch.int32)
         slots[:bucket] = torch.tensor([*(t[p // size] * size + p % size for t, p in zip(tables, pos)),
@@ -86,8 +96,29 @@ class StaticDecodeInputs:
         used = max((len(t) for t in tables), default=1)
         rows = [t + [dummy] * (used - len(t)) for t in tables] + [[dummy] * used] * pad
         table[:bucket, :used] = torch.tensor(rows, dtype=torch.int32)
-        prefix = 4 * self.max_batch + bucket * self.width
+        prefix = self.FIELDS * self.max_batch + bucket * self.width
         self.device_buffer[:prefix].copy_(self.host_buffer[:prefix], non_blocking=True)
+        if self.device_buffer.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+
+class PendingTokens:
+    """A launched step's sampled tokens, copied to pinned host memory as soon as the step has run."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=tokens.is_cuda)
+        self.host.copy_(tokens, non_blocking=True)
+        self.done: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def wait(self) -> list[int]:
+        """Block until this step (and nothing queued after it) has run; its tokens."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 class DecodeGraphs:
@@ -135,7 +166,10 @@ class DecodeGraphs:
             seq_lens_host=[], max_q_len=1, max_seq_len=max_seq_len, block_size=s.block_size,
         )
         positions = s.positions[:bucket]
-        hidden = self.model(s.input_ids[:bucket], self.make_context(meta, positions))
+        # A row launched before the host saw its input token reads it from the previous replay's output.
+        previous = s.previous_rows[:bucket]
+        input_ids = torch.where(previous >= 0, self.tokens[previous.clamp(min=0)], s.input_ids[:bucket])
+        hidden = self.model(input_ids, self.make_context(meta, positions))
         logits = self.model.compute_logits(hidden)
         if sampled:
             rows = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:bucket] for f in fields(SamplingTensors)})
@@ -171,25 +205,32 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - started
         self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
 
-    def run(self, requests: Sequence[Request], seq_lens: Sequence[int], tables: Sequence[list[int]]) -> list[int]:
-        """Fill the static inputs, replay the bucket's graph (or run the same forward eagerly), read the tokens."""
-        n = len(requests)
+    def launch(self, token_ids: Sequence[int], previous_rows: Sequence[int], seq_lens: Sequence[int],
+               tables: Sequence[list[int]], params: Sequence[SamplingParams], output_positions: Sequence[int]
+               ) -> PendingTokens:
+        """Fill the static inputs and replay the bucket's graph (or run the same forward eagerly), without
+        waiting for it. Per row: its input token (or the previous replay's row that holds it), its length with
+        that token, its block table, and how to sample (parameters, the position of the token drawn)."""
+        n = len(token_ids)
         bucket = self.bucket_for(n)
-        self.inputs.fill([r.output_token_ids[-1] for r in requests], seq_lens, tables, bucket)
-        sampled = not all(r.params.greedy for r in requests)
+        self.inputs.fill(token_ids, seq_lens, tables, bucket, previous_rows)
+        sampled = not all(p.greedy for p in params)
         if sampled:
-            params = [r.params for r in requests] + [_PAD_PARAMS] * (bucket - n)
-            positions = [len(r.output_token_ids) for r in requests] + [0] * (bucket - n)
-            # Built on the host and copied into the static buffers: one small transfer per field.
-            rows = SamplingTensors.build(params, positions, self.model.config.vocab_size, torch.device("cpu"))
+            padded_params = [*params, *[_PAD_PARAMS] * (bucket - n)]
+            positions = [*output_positions, *[0] * (bucket - n)]
+            # Built on the host and copied into the static buffers: one small transfer per field, from pinned
+            # memory (a copy from ordinary memory would make the host wait for the GPU to be idle).
+            rows = SamplingTensors.build(padded_params, positions, self.model.config.vocab_size, torch.device("cpu"))
+            pinned = self.device.type == "cuda"
             for f in fields(SamplingTensors):
-                getattr(self.sampling, f.name)[:bucket].copy_(getattr(rows, f.name))
+                field = getattr(rows, f.name)
+                getattr(self.sampling, f.name)[:bucket].copy_(field.pin_memory() if pinned else field, non_blocking=pinned)
         graph = self.graphs.get((bucket, sampled))
         if graph is not None:
             graph.replay()
         else:
             self.forward(bucket, sampled, max(seq_lens))
-        return self.tokens[:n].tolist()  # waits for the step: the tokens are real
+        return PendingTokens(self.tokens[:n])
 
     def describe(self) -> str:
         fused = ", fused ops: packed projections, fused element-wise kernels" if self.fused_ops else ""

@@ -18,7 +18,21 @@ from common.request import Request, RequestOutput
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import require_triton_device
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
-from step12_cuda_graph.decode_graphs import GRAPH_BYTES_PER_LOGIT, DecodeGraphs
+from step12_cuda_graph.decode_graphs import GRAPH_BYTES_PER_LOGIT, DecodeGraphs, PendingTokens
+
+
+@dataclass
+class LaunchedDecode:
+    """A decode step on the GPU: each request's row, the length it was computed at, and its tokens to come."""
+
+    rows: dict[str, int]
+    seq_lens: dict[str, int]
+    tokens: PendingTokens
+
+    def covers(self, requests: list[Request]) -> bool:
+        """Whether this step computed the next token of every one of these requests (and more is fine: the
+        rows of requests that finished meanwhile are ignored)."""
+        return all(self.seq_lens.get(r.request_id) == r.num_tokens for r in requests)
 
 
 @dataclass
@@ -28,6 +42,9 @@ class CudaGraphEngineConfig(PreemptionEngineConfig):
     # Decode with packed projections and one Triton kernel per element-wise chain (`fused_forward.py`).
     # None: on wherever decode is captured, the case it was measured for; True on CPU needs TRITON_INTERPRET=1.
     fused_ops: bool | None = None
+    # Launch each decode step before the host turns the previous step's tokens into text (`launch_ahead`).
+    # None: on wherever decode is captured (eagerly, on a CPU, there is nothing to overlap).
+    overlap: bool | None = None
 
 
 class CudaGraphEngine(PreemptionEngine):
@@ -44,6 +61,11 @@ class CudaGraphEngine(PreemptionEngine):
         fused_ops = self.eager_reason is None if config.fused_ops is None else config.fused_ops
         if fused_ops:
             require_triton_device(self.device)
+        self.overlap = self.eager_reason is None if config.overlap is None else config.overlap
+        self.ahead: LaunchedDecode | None = None  # launched during this step, for the next one
+        self.launched_ahead: LaunchedDecode | None = None  # launched during the last step, for this one
+        self.steps_launched_ahead = 0
+        self.steps_taken_from_ahead = 0  # the others were launched again (their batch had changed)
         if config.cuda_graph:
             self.graphs = DecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
                                        self.max_graph_batch(config), capture=self.eager_reason is None,
@@ -79,15 +101,81 @@ class CudaGraphEngine(PreemptionEngine):
 
     def graph_status(self) -> str:
         described = self.graphs.describe() if self.graphs else "no graphs"
+        if self.overlap:
+            described += "; each step launched before the host processes the previous one"
         return described if self.eager_reason is None else f"{described}: {self.eager_reason}"
+
+    def step(self) -> list[RequestOutput]:
+        launched_ahead, self.ahead = self.ahead, None
+        self.launched_ahead = launched_ahead  # good for this step only; `decode` takes it if it fits
+        return super().step()
 
     @torch.inference_mode()
     def decode(self, requests: list[Request]) -> list[RequestOutput]:
+        ahead, self.launched_ahead = self.launched_ahead, None
         if self.graphs is None or len(requests) > self.graphs.max_batch:
             return super().decode(requests)
-        seq_lens = self.grow_block_tables(requests)
-        tables = [self.block_tables[r.request_id] for r in requests]
-        return self.process_tokens(requests, self.graphs.run(requests, seq_lens, tables))
+        # The step launched ahead computed these requests' tokens already, unless the batch changed since
+        # in a way it could not foresee (someone swapped in, or was preempted and admitted again).
+        if ahead is not None and ahead.covers(requests):
+            current = ahead
+            self.steps_taken_from_ahead += 1
+        else:
+            current = self.launch(requests)
+        if self.overlap:
+            self.ahead = self.launch_ahead(current)
+            self.steps_launched_ahead += self.ahead is not None
+        sampled = current.tokens.wait()  # the GPU goes on with the step launched ahead meanwhile
+        return self.process_tokens(requests, [sampled[current.rows[r.request_id]] for r in requests])
+
+    def launch(self, requests: list[Request], previous: LaunchedDecode | None = None) -> LaunchedDecode:
+        """Give each request its next block if it needs one and launch its decode step. A request of
+        `previous` has a token there that the host has not appended yet: that token is its input, read on
+        the device, and its length counts it."""
+        assert self.graphs is not None
+        token_ids, previous_rows, seq_lens, output_positions = [], [], [], []
+        for request in requests:
+            row = previous.rows.get(request.request_id, -1) if previous is not None else -1
+            pending = int(row >= 0)  # its input token is still on the device
+            token_ids.append(0 if pending else request.output_token_ids[-1])
+            previous_rows.append(row)
+            seq_lens.append(request.num_tokens + pending)
+            output_positions.append(len(request.output_token_ids) + pending)
+            table = self.block_tables[request.request_id]
+            if self.cache.blocks_for(seq_lens[-1]) > len(table):
+                table += self.allocator.allocate(1)  # crossing into a new block
+        tokens = self.graphs.launch(token_ids, previous_rows, seq_lens,
+                                    [self.block_tables[r.request_id] for r in requests],
+                                    [r.params for r in requests], output_positions)
+        return LaunchedDecode({r.request_id: i for i, r in enumerate(requests)},
+                              {r.request_id: n for r, n in zip(requests, seq_lens)}, tokens)
+
+    def launch_ahead(self, current: LaunchedDecode) -> LaunchedDecode | None:
+        """Launch the next decode step now, before the host has seen this one's tokens, so that the GPU
+        computes it while the host detokenizes, checks for stops and schedules. Its batch is a guess: every
+        running request (those prefilled this step included) except the ones this step's token finishes by
+        length. A request that stops otherwise (end of sequence, a stop string, an abort) costs only a
+        wasted row; a batch the guess cannot cover (a swapped request coming back, or no free block for the
+        guess) makes the next step launch afresh."""
+        assert self.graphs is not None
+        if self.swapped:
+            return None
+        batch = [r for r in self.running if not self.finishes_by_length(r, pending=r.request_id in current.rows)]
+        if not batch or len(batch) > self.graphs.max_batch:
+            return None
+        lengths = [r.num_tokens + (r.request_id in current.rows) for r in batch]
+        new_blocks = sum(self.cache.blocks_for(n) > len(self.block_tables[r.request_id]) for r, n in zip(batch, lengths))
+        if new_blocks > self.allocator.num_free:
+            return None  # the scheduler decides who gets the last blocks (and who is preempted)
+        return self.launch(batch, previous=current)
+
+    @staticmethod
+    def finishes_by_length(request: Request, pending: bool) -> bool:
+        """Whether the request is done by length once its token still on the device (if any) is appended."""
+        outputs = len(request.output_token_ids) + pending
+        return outputs >= request.params.max_tokens or request.num_tokens + pending >= request.max_model_len
 
     def memory_report(self) -> str:
-        return f"{super().memory_report()}\ndecode: {self.graph_status()}"
+        overlap = (f"\noverlap: {self.steps_launched_ahead} decode steps launched ahead, "
+                   f"{self.steps_taken_from_ahead} of them used" if self.overlap else "")
+        return f"{super().memory_report()}\ndecode: {self.graph_status()}{overlap}"

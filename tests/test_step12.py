@@ -49,30 +49,61 @@ def test_cpu_says_it_runs_eagerly() -> None:
     assert engine.dummy_block == 16 and engine.cache.num_blocks == 17 and engine.allocator.num_blocks == 16
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, block_size: int) -> None:
+def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, block_size: int, overlap: bool) -> None:
     """Seven prompts, one arriving per step, with uneven lengths: the batch passes through 3, 5, 6 and 7
     rows, none of them a bucket, and shrinks again as requests finish."""
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:7]]
     params = [SamplingParams(max_tokens=6 + 3 * i) for i in range(7)]
     expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(prompts, params)]
     engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=block_size, num_blocks=128,
-                                                         attn="torch", max_graph_batch=8))
+                                                         attn="torch", max_graph_batch=8, overlap=overlap))
     assert [c.token_ids for c in staggered_generate(engine, prompts, params, arrive_every=1)] == expected
     assert engine.allocator.num_used == 0 and not engine.block_tables
+    if overlap:  # arrivals join the step launched ahead (they were prefilled before it was launched)
+        assert engine.steps_launched_ahead >= 20
+        assert engine.steps_taken_from_ahead >= 0.8 * engine.steps_launched_ahead
+    else:
+        assert engine.steps_launched_ahead == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
-def test_preemption_between_steps_changes_no_output(tiny: LoadedModel, preempt: str) -> None:
+def test_preemption_between_steps_changes_no_output(tiny: LoadedModel, preempt: str, overlap: bool) -> None:
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
     params = SamplingParams(max_tokens=24)
     expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(prompts, params)]
     longest_blocks = -(-(max(len(p) for p in prompts) + 24) // 4)
     engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=4, attn="torch",
-                                                         num_blocks=longest_blocks + 2, preempt=preempt))
+                                                         num_blocks=longest_blocks + 2, preempt=preempt,
+                                                         overlap=overlap))
     outputs, _ = run_checked(engine, prompts, params)
     assert outputs == expected
     assert engine.preemptions >= 2
+
+
+def test_abort_with_a_step_launched_ahead(tiny: LoadedModel) -> None:
+    """A request aborted while the step launched ahead computes its next token: everything it held is
+    freed, and the others get exactly the tokens they get alone."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
+    params = SamplingParams(max_tokens=16)
+    expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(prompts, params)]
+    engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=4, num_blocks=128,
+                                                         attn="torch", overlap=True))
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    for _ in range(5):
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert engine.ahead is not None and ids[1] in engine.ahead.rows
+    engine.abort(ids[1])
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert engine.allocator.num_used == 0 and not engine.block_tables
+    assert [tokens[i] for i in (ids[0], ids[2], ids[3])] == [expected[0], expected[2], expected[3]]
+    assert engine.steps_taken_from_ahead >= 10  # the shrunken batch still took the step launched ahead
 
 
 def test_seeded_sampling_is_step07s() -> None:
@@ -84,8 +115,9 @@ def test_seeded_sampling_is_step07s() -> None:
     params[2] = SamplingParams(max_tokens=12)  # a greedy row inside a sampling batch
     config = dict(device="cpu", block_size=4, num_blocks=96, attn="torch")
     theirs = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
-    ours = CudaGraphEngine(tiny, CudaGraphEngineConfig(**config)).generate(prompts, params)
-    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+    for overlap in (False, True):
+        ours = CudaGraphEngine(tiny, CudaGraphEngineConfig(**config, overlap=overlap)).generate(prompts, params)
+        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
 
 
 @pytest.mark.embedded
