@@ -69,12 +69,19 @@ profile_step() {
     --output "$OUT/profile-cuda-random-qwen2.5-7b.json"
 }
 
-step12_fused() {
-  echo "== step12 end to end, without and with --fused-ops: random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
-  for fused in --no-fused-ops --fused-ops; do
+step12_ablation() {
+  echo "== step12 end to end with each of its optimisations switched off in turn: random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
+  for switches in "--no-fused-ops --no-overlap" "--fused-ops --no-overlap" "--fused-ops --overlap"; do
     python step12_cuda_graph/run.py --bench --model random:qwen2.5-7b --device cuda --batch-sizes 1,8,64 \
-      --max-tokens 128 --repeats 2 --no-hf $fused --bench-output "$OUT/step12-bench${fused}.json"
+      --max-tokens 128 --repeats 2 --no-hf $switches --bench-output "$OUT/step12-bench${switches// /}.json"
   done
+}
+
+compare_graphs() {
+  echo "== step12 against step06 and HF generate() (default, and static cache + torch.compile): random:qwen2.5-7b, bf16"
+  python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,8,32,64 --max-tokens 128 \
+    --steps step06_paged_attention,step12_cuda_graph --hf-static-max-batch 8 --repeats 2 \
+    --output "$OUT/compare-cuda-random-qwen2.5-7b-step06-step12.json"
 }
 
 sync_ablation() {
@@ -112,5 +119,5 @@ serve() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long graphs_large profile_step step12_fused sync_ablation checkpoint_memory preempt serve)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long graphs_large profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve)
 for section in "${sections[@]}"; do "$section"; done

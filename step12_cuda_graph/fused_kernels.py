@@ -107,17 +107,19 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 @triton.jit
-def _silu_mul_kernel(GATE, UP, OUT, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    gate = tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + offs, (gate / (1.0 + tl.exp(-gate)) * up).to(OUT.dtype.element_ty), mask=mask)
+def _silu_mul_kernel(GATE, UP, OUT, stride_gate, stride_up, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(GATE + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(UP + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + row * n + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(OUT.dtype.element_ty), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """silu(gate) * up, element by element (both contiguous, the same shape)."""
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block)
+    """silu(gate) * up for gate and up [tokens, n], each row contiguous (the rows may be strided, as in
+    slices of one packed projection); returns a new, contiguous tensor."""
+    tokens, n = gate.shape
+    out = torch.empty((tokens, n), dtype=gate.dtype, device=gate.device)
+    _silu_mul_kernel[(tokens, triton.cdiv(n, block))](gate, up, out, gate.stride(0), up.stride(0), n, BLOCK=block)
     return out

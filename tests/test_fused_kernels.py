@@ -68,14 +68,18 @@ def test_rotate_matches_apply_rope(dtype: torch.dtype, packed: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(dtype: torch.dtype) -> None:
-    gate = torch.randn(3, 1500, device=DEVICE, dtype=dtype) * 4  # not a multiple of the block
-    up = torch.randn_like(gate)
+@pytest.mark.parametrize("packed", [False, True])
+def test_silu_mul(dtype: torch.dtype, packed: bool) -> None:
+    if packed:  # the two halves of one gate/up projection, as step 12's packed projections return them
+        gate, up = (torch.randn(3, 3000, device=DEVICE, dtype=dtype) * 4).split([1500, 1500], dim=-1)
+    else:
+        gate = torch.randn(3, 1500, device=DEVICE, dtype=dtype) * 4  # not a multiple of the block
+        up = torch.randn_like(gate)
     torch.testing.assert_close(fused_kernels.silu_mul(gate, up), F.silu(gate) * up,
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def test_engine_with_fused_ops_matches_step01(model: str) -> None:
     """Requests arriving one per step, decoded through the fused kernels: step 01's tokens, or a
     difference HF shows to be a tie (float32 sums are rounded at other places)."""
