@@ -101,7 +101,7 @@ checkpoint_memory() {
 kernel_bench() {
   echo "== step06: the paged decode kernel checked, then timed against the copy bandwidth and dense SDPA"
   python step06_paged_attention/run.py --kernel-bench --batches 1,8,16,32,64 --contexts 128,512,2048,8192 \
-    --other-tiles 32,128 --output "$OUT/kernel-bench-cuda-qwen2.5-7b-heads.json"
+    --launch-configs 2x2,4x2,4x4,8x2,8x3,8x4 --output "$OUT/kernel-bench-cuda-qwen2.5-7b-heads.json"
   python step06_paged_attention/run.py --kernel-bench --dtype float32 --batches 1,8,64 --contexts 128,2048 \
     --output "$OUT/kernel-bench-cuda-qwen2.5-7b-heads-fp32.json"
 }

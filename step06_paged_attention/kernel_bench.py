@@ -79,7 +79,7 @@ def copy_bandwidth_gbs(device: torch.device, gigabytes: float = 2.0, repeats: in
 
 def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
                 dtype: torch.dtype, device: torch.device, chosen_splits: int, repeats: int,
-                other_tiles: Sequence[int] = ()) -> dict:
+                other_tiles: Sequence[int] = (), launch_configs: Sequence[tuple[int, int]] = ()) -> dict:
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
@@ -96,11 +96,16 @@ def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
                                                enable_gqa=True)[:, :, 0]
     splits_tried = sorted({s for s in SPLITS_TRIED if s <= max(1, context // 64)} | {chosen_splits})
 
-    def decode(splits: int, tile: int = triton_kernels.DECODE_TILE) -> torch.Tensor:
-        return triton_kernels.paged_decode(q, k_cache, v_cache, table, lens, num_splits=splits, tile=tile)
+    default_launch = (triton_kernels.DECODE_WARPS, triton_kernels.DECODE_STAGES)
 
-    error = max((decode(s, t).float() - reference).abs().max().item()
-                for s in splits_tried for t in (triton_kernels.DECODE_TILE, *other_tiles))
+    def decode(splits: int, tile: int = triton_kernels.DECODE_TILE, launch: tuple[int, int] = default_launch
+               ) -> torch.Tensor:
+        return triton_kernels.paged_decode(q, k_cache, v_cache, table, lens, num_splits=splits, tile=tile,
+                                           num_warps=launch[0], num_stages=launch[1])
+
+    error = max((decode(s, t, c).float() - reference).abs().max().item()
+                for s in splits_tried for t in (triton_kernels.DECODE_TILE, *other_tiles)
+                for c in (default_launch, *launch_configs))
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     row = {"batch": batch, "context": context, "splits": chosen_splits, "max_abs_error": error,
            "correct": error <= tolerance}
@@ -113,6 +118,9 @@ def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
     # Other tile sizes (tokens loaded per loop iteration), each at the best split count found above.
     ms_by_tile = {triton_kernels.DECODE_TILE: ms_by_splits[best_splits]}
     ms_by_tile |= {t: timed_ms(lambda: decode(best_splits, t), repeats) for t in other_tiles}
+    # Other launch configurations (warps per program, software-pipelining stages), likewise.
+    ms_by_launch = {f"{w}x{st}": timed_ms(lambda: decode(best_splits, launch=(w, st)), repeats)
+                    for w, st in (default_launch, *launch_configs)}
     sdpa_ms = timed_ms(lambda: F.scaled_dot_product_attention(q[:, :, None], dense_k, dense_v, enable_gqa=True),
                        repeats)
     row |= {
@@ -123,8 +131,18 @@ def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
         "ms_by_splits": ms_by_splits, "best_splits": best_splits,
         "best_gbs": kv_bytes / (ms_by_splits[best_splits] * 1e-3) / 1e9,
         "ms_by_tile_at_best_splits": ms_by_tile,
+        "ms_by_warps_x_stages_at_best_splits": ms_by_launch,
     }
     return row
+
+
+def best_launch(row: dict) -> str:
+    """", fastest launch WxS at N GB/s" when other launch configurations were timed."""
+    times = row["ms_by_warps_x_stages_at_best_splits"]
+    if len(times) < 2:
+        return ""
+    fastest = min(times, key=times.get)
+    return f", fastest launch {fastest} at {row['kv_megabytes'] / 1e3 / (times[fastest] * 1e-3):.0f} GB/s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--other-tiles", default="", help="also time these tile sizes (e.g. 32,128) at each point's "
                                                       "best split count")
+    p.add_argument("--launch-configs", default="", help="also time these WARPSxSTAGES launch configurations "
+                                                         "(e.g. 2x2,8x3) at each point's best split count")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--repeats", type=int, default=10, help=f"graph replays ({CALLS_PER_GRAPH} calls each) per figure")
     p.add_argument("--output", type=Path, default=Path("results/step06_paged_attention/kernel-bench-cuda.json"))
@@ -157,13 +177,14 @@ def main(argv: list[str] | None = None) -> int:
             splits = backend.num_splits(batch, config.num_kv_heads, context)
             row = bench_point(batch, context, config.num_heads, config.num_kv_heads, config.head_dim,
                               args.block_size, dtype, device, splits, args.repeats,
-                              [int(t) for t in args.other_tiles.split(",") if t])
+                              [int(t) for t in args.other_tiles.split(",") if t],
+                              [tuple(map(int, c.split("x"))) for c in args.launch_configs.split(",") if c])
             if row["correct"]:
                 row["kernel_vs_copy"] = row["kernel_gbs"] / header["copy_bandwidth_gbs"]
                 print(f"batch {batch:3d} context {context:5d} splits {splits:2d}: {row['kernel_gbs']:7.0f} GB/s "
                       f"({100 * row['kernel_vs_copy']:.0f}% of copy), SDPA dense {row['sdpa_dense_gbs']:7.0f} GB/s, "
                       f"kernel {row['kernel_vs_sdpa']:.2f}x SDPA; best {row['best_splits']} splits "
-                      f"{row['best_gbs']:.0f} GB/s", flush=True)
+                      f"{row['best_gbs']:.0f} GB/s{best_launch(row)}", flush=True)
             else:
                 print(f"batch {batch:3d} context {context:5d}: WRONG (max abs error {row['max_abs_error']:.3g}), not timed")
             rows.append(row)

@@ -46,6 +46,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 DECODE_TILE = 64  # tokens of K/V a decode program loads per loop iteration
+DECODE_WARPS, DECODE_STAGES = 4, 3  # Triton's defaults; the kernel bench's --launch-configs times others
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -140,7 +141,8 @@ def _merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, num_splits: int = 1, tile: int = DECODE_TILE) -> torch.Tensor:
+                 seq_lens: torch.Tensor, num_splits: int = 1, tile: int = DECODE_TILE,
+                 num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES) -> torch.Tensor:
     """q: [batch, heads, head_dim]; caches: one layer, [num_blocks, block_size, kv_heads, head_dim];
     block_table: [batch, max_blocks] int32; seq_lens: [batch] int32 (tokens cached, the new one included).
     Returns [batch, heads, head_dim] in q's dtype."""
@@ -156,6 +158,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         acc.stride(0), acc.stride(1), acc.stride(2),
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty_like(q)
     _merge_splits_kernel[(batch, heads)](

@@ -1,10 +1,15 @@
 """Step 12: decode steps replayed as CUDA graphs (`decode_graphs.py`); everything else is step 07's.
 
-Against step 07, `CudaGraphEngine` changes one method, `decode`: the batch is padded to a bucket, its
+Against step 07, `CudaGraphEngine` changes how a decode step runs: the batch is padded to a bucket, its
 inputs are written into static buffers, and the bucket's captured graph is replayed. Prefill stays eager
 (its shapes change with every prompt). Scheduling, preemption and priorities are step 07's, so requests
 join, leave and get preempted between replays exactly as before. One block of the pool is reserved as the
 dummy block that padded rows write to.
+
+Once the GPU no longer waits for kernel launches, it waits for the host between steps: reading the tokens,
+detokenizing, checking for stops, scheduling. With `overlap` (on where decode is captured) each decode step
+is launched before the host processes the previous one's tokens (`launch_ahead`), so that work is done
+while the GPU computes.
 """
 
 from __future__ import annotations
