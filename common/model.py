@@ -153,10 +153,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        attended = self.self_attn(ctx.rms_norm(self.input_layernorm, x), ctx, rope)
+    def forward(self, x: torch.Tensor, update: torch.Tensor | None, ctx: ForwardContext,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the residual stream and `update` the previous layer's MLP output, not yet added to it (None in
+        the first layer). Returns the stream and this layer's MLP output, again not added: each residual add
+        happens right before a norm, so a context can run the two as one kernel (`add_rms_norm`)."""
+        if update is None:
+            normed = ctx.rms_norm(self.input_layernorm, x)
+        else:
+            x, normed = ctx.add_rms_norm(self.input_layernorm, x, update)
+        attended = self.self_attn(normed, ctx, rope)
         x, normed = ctx.add_rms_norm(self.post_attention_layernorm, x, attended)
-        return x + self.mlp(normed, ctx)
+        return x, self.mlp(normed, ctx)
 
 
 class DecoderBody(nn.Module):
@@ -198,9 +206,11 @@ class CausalLM(nn.Module):
         assert self.rope is not None, "call prepare(device) after loading the weights"
         x = self.model.embed_tokens(input_ids)
         rope = self.rope.lookup(ctx.positions, x.dtype)
+        update = None
         for layer in self.model.layers:
-            x = layer(x, ctx, rope)
-        return ctx.rms_norm(self.model.norm, x)
+            x, update = layer(x, update, ctx, rope)
+        assert update is not None, "a decoder has at least one layer"
+        return ctx.add_rms_norm(self.model.norm, x, update)[1]  # the last MLP's output, added, then normalised
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the rows we sample from (usually each request's last token only)."""
