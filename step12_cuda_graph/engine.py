@@ -111,8 +111,7 @@ class CudaGraphEngine(PreemptionEngine):
         return described if self.eager_reason is None else f"{described}: {self.eager_reason}"
 
     def step(self) -> list[RequestOutput]:
-        launched_ahead, self.ahead = self.ahead, None
-        self.launched_ahead = launched_ahead  # good for this step only; `decode` takes it if it fits
+        self.launched_ahead, self.ahead = self.ahead, None  # good for this step only; `decode` takes it if it fits
         return super().step()
 
     @torch.inference_mode()

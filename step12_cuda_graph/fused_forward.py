@@ -9,7 +9,6 @@ chain (`fused_kernels.py`), for the decode graphs.
 from __future__ import annotations
 
 import torch
-
 from torch import nn
 
 from common.model import RMSNorm
