@@ -118,6 +118,12 @@ serve() {
     --max-tokens 128 --output "$OUT/serve-cuda-random-qwen2.5-7b.json"
 }
 
+serve_graphs() {
+  echo "== step08 serving step12's engine: concurrency through the openai SDK, and the server against the bare engine"
+  python step08_serve/bench_serve.py --model random:qwen2.5-7b --device cuda --step step12_cuda_graph \
+    --concurrency 1,8,32 --max-tokens 128 --output "$OUT/serve-cuda-random-qwen2.5-7b-step12.json"
+}
+
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long graphs_large profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long graphs_large profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs)
 for section in "${sections[@]}"; do "$section"; done
