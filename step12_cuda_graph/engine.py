@@ -106,9 +106,11 @@ class CudaGraphEngine(PreemptionEngine):
 
     def graph_status(self) -> str:
         described = self.graphs.describe() if self.graphs else "no graphs"
+        if self.eager_reason is not None:
+            described += f": {self.eager_reason}"
         if self.overlap:
             described += "; each step launched before the host processes the previous one"
-        return described if self.eager_reason is None else f"{described}: {self.eager_reason}"
+        return described
 
     def step(self) -> list[RequestOutput]:
         self.launched_ahead, self.ahead = self.ahead, None  # good for this step only; `decode` takes it if it fits
