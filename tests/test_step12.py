@@ -106,6 +106,27 @@ def test_abort_with_a_step_launched_ahead(tiny: LoadedModel) -> None:
     assert engine.steps_taken_from_ahead >= 10  # the shrunken batch still took the step launched ahead
 
 
+def test_overlap_stops_where_step07_stops(tiny: LoadedModel) -> None:
+    """Requests that end by a stop string, by a stop token, and at the context limit, while steps are launched
+    ahead: the same tokens, text and finish reasons as step 07, and nothing launched past the context."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
+    config = dict(device="cpu", block_size=4, num_blocks=128, attn="torch", max_model_len=max(map(len, prompts)) + 12)
+    free_run = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, SamplingParams(max_tokens=40))
+    params = [
+        SamplingParams(max_tokens=40, stop=[free_run[0].text[5:8]]),  # a stop string a few tokens in
+        SamplingParams(max_tokens=40, stop_token_ids=[free_run[1].token_ids[3]]),  # a stop token
+        SamplingParams(max_tokens=40),  # runs into the context limit
+        SamplingParams(max_tokens=7),  # ends by length
+    ]
+    expected = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
+    engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(**config, overlap=True))
+    ours = engine.generate(prompts, params)
+    assert [(c.token_ids, c.text, c.finish_reason) for c in ours] == \
+        [(c.token_ids, c.text, c.finish_reason) for c in expected]
+    assert [c.finish_reason.value for c in expected] == ["stop", "stop", "length", "length"]
+    assert engine.steps_taken_from_ahead > 0 and engine.allocator.num_used == 0
+
+
 def test_seeded_sampling_is_step07s() -> None:
     """The sampling variant draws exactly the tokens step 07's sampler draws (same seeds, same positions)."""
     tiny = load_model("tiny-qwen3")
