@@ -137,7 +137,7 @@ def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
 
 
 def best_launch(row: dict) -> str:
-    """", fastest launch WxS at N GB/s" when other launch configurations were timed."""
+    """The end of a point's printed line: the fastest launch configuration, when others were timed."""
     times = row["ms_by_warps_x_stages_at_best_splits"]
     if len(times) < 2:
         return ""
