@@ -33,7 +33,7 @@ from common.bench import (
 )
 from common.checks import check_against_reference, staggered_generate
 from common.config import TINY_ARCHES
-from common.engine import Engine, EngineConfig
+from common.engine import Engine
 from common.loading import EMBEDDED_MODEL, ModelLoadError, model_names_help
 from common.prompts import DEMO_PROMPTS
 from common.reference import hf_model_for

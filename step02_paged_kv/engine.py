@@ -134,12 +134,18 @@ class PagedEngine(Engine):
         """Give each request a new block if its next token starts one; return the lengths after this step."""
         seq_lens = []
         for request in requests:
-            table = self.block_tables[request.request_id]
             length = request.num_tokens  # the newest token is not cached yet: it is this forward's input
-            if self.cache.blocks_for(length) > len(table):
-                table += self.allocator.allocate(1)  # crossing into a new block
+            self.grow_block_table(request, length)
             seq_lens.append(length)
         return seq_lens
+
+    def needs_new_block(self, request: Request, length: int) -> bool:
+        """Whether holding `length` tokens takes the request into a block its table does not have yet."""
+        return self.cache.blocks_for(length) > len(self.block_tables[request.request_id])
+
+    def grow_block_table(self, request: Request, length: int) -> None:
+        if self.needs_new_block(request, length):
+            self.block_tables[request.request_id] += self.allocator.allocate(1)  # crossing into a new block
 
     def make_decode_context(self, requests: list[Request], seq_lens: list[int]) -> ForwardContext:
         tables = [self.block_tables[r.request_id] for r in requests]

@@ -125,13 +125,12 @@ class PreemptionEngine(PagedAttentionEngine):
 
     def new_blocks_this_step(self, requests: list[Request]) -> int:
         """How many of these decoding requests cross into a new block with this step's token."""
-        return sum(self.cache.blocks_for(r.num_tokens) > len(self.block_tables[r.request_id]) for r in requests)
+        return sum(self.needs_new_block(r, r.num_tokens) for r in requests)
 
     def reserve_next_block(self, request: Request) -> None:
         """A decoding request whose next token starts a new block gets one, preempting if the pool is empty
         (possibly the request itself, if it is the least important)."""
-        table = self.block_tables[request.request_id]
-        if self.cache.blocks_for(request.num_tokens) <= len(table):
+        if not self.needs_new_block(request, request.num_tokens):
             return
         while self.allocator.num_free == 0:
             victim = self.pick_victim()
@@ -139,7 +138,7 @@ class PreemptionEngine(PagedAttentionEngine):
             self.preempt(victim)
             if victim is request:
                 return
-        table += self.allocator.allocate(1)
+        self.grow_block_table(request, request.num_tokens)
 
     def mark_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING

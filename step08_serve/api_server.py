@@ -9,7 +9,6 @@ the engine request, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -20,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from common.request import RequestOutput
 from step08_serve.async_engine import AsyncEngine, EngineDeadError

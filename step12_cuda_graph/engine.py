@@ -147,9 +147,7 @@ class CudaGraphEngine(PreemptionEngine):
             previous_rows.append(row)
             seq_lens.append(request.num_tokens + pending)
             output_positions.append(len(request.output_token_ids) + pending)
-            table = self.block_tables[request.request_id]
-            if self.cache.blocks_for(seq_lens[-1]) > len(table):
-                table += self.allocator.allocate(1)  # crossing into a new block
+            self.grow_block_table(request, seq_lens[-1])
         tokens = self.graphs.launch(token_ids, previous_rows, seq_lens,
                                     [self.block_tables[r.request_id] for r in requests],
                                     [r.params for r in requests], output_positions)
@@ -169,8 +167,7 @@ class CudaGraphEngine(PreemptionEngine):
         batch = [r for r in self.running if not self.finishes_by_length(r, pending=r.request_id in current.rows)]
         if not batch or len(batch) > self.graphs.max_batch:
             return None
-        lengths = [r.num_tokens + (r.request_id in current.rows) for r in batch]
-        new_blocks = sum(self.cache.blocks_for(n) > len(self.block_tables[r.request_id]) for r, n in zip(batch, lengths))
+        new_blocks = sum(self.needs_new_block(r, r.num_tokens + (r.request_id in current.rows)) for r in batch)
         if new_blocks > self.allocator.num_free:
             return None  # the scheduler decides who gets the last blocks (and who is preempted)
         return self.launch(batch, previous=current)

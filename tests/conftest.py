@@ -16,9 +16,18 @@ import pytest  # noqa: E402
 from transformers import PreTrainedModel  # noqa: E402
 
 from common.config import TINY_ARCHES  # noqa: E402
+from common.engine import EngineConfig  # noqa: E402
 from common.loading import LoadedModel, embedded_tokenizer, load_model  # noqa: E402
 from common.reference import hf_model_for  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
+from step01_serial.engine import SerialEngine  # noqa: E402
+
+
+def step01_tokens(loaded: LoadedModel, prompts: list[list[int]],
+                  params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    """Step 01's tokens for these prompts on the CPU, each request run alone: what every later step must give."""
+    return [c.token_ids for c in SerialEngine(loaded, EngineConfig(device="cpu")).generate(prompts, params)]
 
 
 @pytest.fixture(scope="session")

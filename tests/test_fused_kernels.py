@@ -28,11 +28,14 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(5, 96), (3, 4, 16)])
-def test_rms_norm(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    norm = RMSNorm(shape[-1], 1e-6).to(DEVICE, dtype)
+@pytest.mark.parametrize("shape", [(5, 96), (3, 4, 16), "packed"])
+def test_rms_norm(dtype: torch.dtype, shape: tuple[int, ...] | str) -> None:
+    if shape == "packed":  # q's heads inside one packed q/k/v projection, as Qwen3 normalises them
+        x = (torch.randn(3, 8 * 16, device=DEVICE, dtype=dtype) * 3)[:, : 4 * 16].view(3, 4, 16)
+    else:
+        x = torch.randn(shape, device=DEVICE, dtype=dtype) * 3
+    norm = RMSNorm(x.shape[-1], 1e-6).to(DEVICE, dtype)
     norm.weight.data.normal_(1.0, 0.1)
-    x = torch.randn(shape, device=DEVICE, dtype=dtype) * 3
     torch.testing.assert_close(fused_kernels.rms_norm(x, norm.weight, norm.eps), norm(x),
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 

@@ -4,7 +4,6 @@ concurrency, and a cancellation storm that must leave nothing behind."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import threading
 import time

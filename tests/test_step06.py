@@ -16,7 +16,7 @@ from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
 from step06_paged_attention.backends import create_backend
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
-from tests.conftest import PARITY_MAX_TOKENS
+from tests.conftest import PARITY_MAX_TOKENS, step01_tokens
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton is not installed (Linux x86-64 only)")
@@ -60,7 +60,7 @@ def test_tight_budget_and_per_layer_sync_change_nothing() -> None:
     tiny = load_model("tiny-qwen3")
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
     params = SamplingParams(max_tokens=10)
-    expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(prompts, params)]
+    expected = step01_tokens(tiny, prompts, params)
     longest = max(len(p) for p in prompts) + 10
     for sync in (False, True):
         engine = PagedAttentionEngine(tiny, PagedAttentionEngineConfig(

@@ -12,7 +12,7 @@ from common.request import RequestStatus
 from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
-from tests.conftest import PARITY_MAX_TOKENS
+from tests.conftest import PARITY_MAX_TOKENS, step01_tokens
 
 
 def run_checked(engine: PreemptionEngine, prompts: list[list[int]], params: SamplingParams,
@@ -53,7 +53,7 @@ def test_far_too_small_budget_changes_no_output(tiny: LoadedModel, preempt: str,
     """Eight requests in a pool barely larger than the longest one (which alone needs over half of it)."""
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
     params = SamplingParams(max_tokens=24)
-    expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(prompts, params)]
+    expected = step01_tokens(tiny, prompts, params)
     longest_blocks = -(-(max(len(p) for p in prompts) + 24) // 4)
     engine = PreemptionEngine(tiny, PreemptionEngineConfig(device="cpu", block_size=4, attn="torch",
                                                             num_blocks=longest_blocks + extra_blocks, preempt=preempt))
@@ -71,8 +71,7 @@ def test_admitted_but_never_prefilled_is_put_back() -> None:
     B, the most recently admitted, is preempted before its prefill ever ran, and simply waits again."""
     tiny = load_model("tiny-llama")
     a, b = [11, 12, 13, 14], [21, 22, 23, 24, 25, 26, 27, 28]
-    expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(
-        [a, b], [SamplingParams(max_tokens=7), SamplingParams(max_tokens=4)])]
+    expected = step01_tokens(tiny, [a, b], [SamplingParams(max_tokens=7), SamplingParams(max_tokens=4)])
     engine = PreemptionEngine(tiny, PreemptionEngineConfig(device="cpu", block_size=4, num_blocks=3, attn="torch"))
     first = engine.add_request(a, SamplingParams(max_tokens=7))
     engine.step()  # A prefilled: 4 tokens cached in its one block, its 5th token needs a second block

@@ -11,17 +11,15 @@ import pytest
 import torch
 
 from common.checks import compare_engines, staggered_generate
-from common.engine import EngineConfig
 from common.loading import LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
 from common.reference import compare_greedy
 from common.sampling import SamplingParams
-from step01_serial.engine import SerialEngine
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step12_cuda_graph.decode_graphs import StaticDecodeInputs, graph_buckets
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
-from tests.conftest import PARITY_MAX_TOKENS
+from tests.conftest import PARITY_MAX_TOKENS, step01_tokens
 from tests.test_step07 import run_checked
 
 
@@ -56,7 +54,7 @@ def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, blo
     rows, none of them a bucket, and shrinks again as requests finish."""
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:7]]
     params = [SamplingParams(max_tokens=6 + 3 * i) for i in range(7)]
-    expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(prompts, params)]
+    expected = step01_tokens(tiny, prompts, params)
     engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=block_size, num_blocks=128,
                                                          attn="torch", max_graph_batch=8, overlap=overlap))
     assert [c.token_ids for c in staggered_generate(engine, prompts, params, arrive_every=1)] == expected
@@ -73,7 +71,7 @@ def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, blo
 def test_preemption_between_steps_changes_no_output(tiny: LoadedModel, preempt: str, overlap: bool) -> None:
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
     params = SamplingParams(max_tokens=24)
-    expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(prompts, params)]
+    expected = step01_tokens(tiny, prompts, params)
     longest_blocks = -(-(max(len(p) for p in prompts) + 24) // 4)
     engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=4, attn="torch",
                                                          num_blocks=longest_blocks + 2, preempt=preempt,
@@ -88,7 +86,7 @@ def test_abort_with_a_step_launched_ahead(tiny: LoadedModel) -> None:
     freed, and the others get exactly the tokens they get alone."""
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
     params = SamplingParams(max_tokens=16)
-    expected = [c.token_ids for c in SerialEngine(tiny, EngineConfig(device="cpu")).generate(prompts, params)]
+    expected = step01_tokens(tiny, prompts, params)
     engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=4, num_blocks=128,
                                                          attn="torch", overlap=True))
     ids = [engine.add_request(p, params) for p in prompts]
