@@ -59,9 +59,10 @@ def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, blo
                                                          attn="torch", max_graph_batch=8, overlap=overlap))
     assert [c.token_ids for c in staggered_generate(engine, prompts, params, arrive_every=1)] == expected
     assert engine.allocator.num_used == 0 and not engine.block_tables
-    if overlap:  # arrivals join the step launched ahead (they were prefilled before it was launched)
+    if overlap:  # arrivals join the step launched ahead (they were prefilled before it was launched), and
+        # nothing here (no swap, no preemption) changes a batch in a way the guess cannot cover: all are used
         assert engine.steps_launched_ahead >= 20
-        assert engine.steps_taken_from_ahead >= 0.8 * engine.steps_launched_ahead
+        assert engine.steps_taken_from_ahead == engine.steps_launched_ahead
     else:
         assert engine.steps_launched_ahead == 0
 
