@@ -42,7 +42,7 @@ class ForwardContext(ABC):
     # several small kernels per element-wise chain; a context may run them fused instead (step 12 does, where
     # the launches are replayed from a CUDA graph and each kernel's fixed cost is what remains).
     def project(self, x: torch.Tensor, projections: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
-        """x through linear layers that all take it as input (q, k and v; gate and up)."""
+        """x through linear layers that all take it as input (q, k and v; gate and up; or just one)."""
         return tuple(projection(x) for projection in projections)
 
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +130,8 @@ class Attention(nn.Module):
             q, k = ctx.rms_norm(self.q_norm, q), ctx.rms_norm(self.k_norm, k)
         q, k = ctx.rotate(q, k, *rope)
         out = ctx.attend(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        (attended,) = ctx.project(out.reshape(tokens, self.num_heads * self.head_dim), (self.o_proj,))
+        return attended
 
 
 class MLP(nn.Module):
@@ -142,7 +143,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         gate, up = ctx.project(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(ctx.silu_mul(gate, up))
+        (down,) = ctx.project(ctx.silu_mul(gate, up), (self.down_proj,))
+        return down
 
 
 class DecoderLayer(nn.Module):

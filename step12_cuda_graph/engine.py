@@ -47,6 +47,9 @@ class CudaGraphEngineConfig(PreemptionEngineConfig):
     # Decode with packed projections and one Triton kernel per element-wise chain (`fused_forward.py`).
     # None: on wherever decode is captured, the case it was measured for; True on CPU needs TRITON_INTERPRET=1.
     fused_ops: bool | None = None
+    # With fused ops, projections of at most 16 rows through our own skinny matrix multiply, not cuBLAS.
+    # None: whenever fused ops are on.
+    skinny_matmul: bool | None = None
     # Launch each decode step before the host turns the previous step's tokens into text (`launch_ahead`).
     # None: on wherever decode is captured (eagerly, on a CPU, there is nothing to overlap).
     overlap: bool | None = None
@@ -66,6 +69,9 @@ class CudaGraphEngine(PreemptionEngine):
         fused_ops = self.eager_reason is None if config.fused_ops is None else config.fused_ops
         if fused_ops:
             require_triton_device(self.device)
+        skinny_matmul = fused_ops if config.skinny_matmul is None else config.skinny_matmul
+        if skinny_matmul and not fused_ops:
+            raise ValueError("--skinny-matmul runs the packed projections of the fused decode path: add --fused-ops")
         self.overlap = self.eager_reason is None if config.overlap is None else config.overlap
         self.ahead: LaunchedDecode | None = None  # launched during this step, for the next one
         self.launched_ahead: LaunchedDecode | None = None  # launched during the last step, for this one
@@ -74,7 +80,7 @@ class CudaGraphEngine(PreemptionEngine):
         if config.cuda_graph:
             self.graphs = DecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
                                        self.max_graph_batch(config), capture=self.eager_reason is None,
-                                       fused_ops=fused_ops)
+                                       fused_ops=fused_ops, skinny_matmul=skinny_matmul)
         print(f"[{type(self).__name__}] decode: {self.graph_status()}", flush=True)  # said at start-up
 
     @staticmethod

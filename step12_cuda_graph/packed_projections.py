@@ -6,6 +6,9 @@ small matrices (Qwen2.5-7B: 3.7 MB each, against 26 MB for q) that one launch ea
 bandwidth. The packed weight is the separate weights stacked by rows; the model's own layers are then made
 views of it, so the memory is not held twice and every other path (prefill, the eager steps) reads the
 very same numbers.
+
+The single projections (o, down) are held here too, as packs of one, so that at small batch sizes every
+projection can go through the skinny matrix multiply (`skinny_matmul.py`) instead of cuBLAS.
 """
 
 from __future__ import annotations
@@ -15,23 +18,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model import CausalLM
+from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, skinny_config, skinny_linear
 
 
 class PackedLinear:
     """Linear layers with one input, as one stacked weight (and bias); `__call__` returns each one's output."""
 
-    def __init__(self, linears: tuple[nn.Linear, ...]) -> None:
+    def __init__(self, linears: tuple[nn.Linear, ...], skinny: bool = False) -> None:
         self.sizes = [linear.out_features for linear in linears]
         self.weight = stack_in_place([linear.weight for linear in linears])
         has_bias = [linear.bias is not None for linear in linears]
         if any(has_bias) and not all(has_bias):
             raise ValueError("a packed projection needs a bias on every part or on none")
         self.bias = stack_in_place([linear.bias for linear in linears]) if all(has_bias) else None
+        self.skinny: SkinnyConfig | None = skinny_config(*self.weight.shape) if skinny else None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+            out = skinny_linear(x, self.weight, self.bias, self.skinny)
+        else:
+            out = F.linear(x, self.weight, self.bias)
         # The parts come back as column slices of one output: each token's row of a part is contiguous,
         # consecutive tokens are a packed row apart. The kernels that read them take that stride.
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return out.split(self.sizes, dim=-1)
 
 
 def stack_in_place(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -53,14 +62,16 @@ def stack_in_place(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class PackedProjections:
-    """Every layer's q/k/v and gate/up, packed; looked up by the tuple of layers the model asks for."""
+    """Every layer's q/k/v and gate/up packed, and o and down as packs of one; looked up by the tuple of
+    layers the model asks for. With `skinny`, batches of at most `MAX_ROWS` rows use `skinny_linear`."""
 
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, skinny: bool = False) -> None:
         self.packed: dict[tuple[nn.Linear, ...], PackedLinear] = {}
         for layer in model.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            for linears in ((attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)):
-                self.packed[linears] = PackedLinear(linears)
+            for linears in ((attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
+                            (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)):
+                self.packed[linears] = PackedLinear(linears, skinny)
 
     def __call__(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
         packed = self.packed.get(linears)

@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     graphs.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=None,
                         help="decode with packed projections and one Triton kernel per element-wise chain "
                              "(default: on wherever decode is captured as graphs)")
+    graphs.add_argument("--skinny-matmul", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --fused-ops, run projections of at most 16 rows through our own matrix multiply "
+                             "instead of cuBLAS (default: whenever fused ops are on)")
     graphs.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                         help="launch each decode step before the host has processed the previous one's tokens "
                              "(default: on wherever decode is captured as graphs)")

@@ -1,0 +1,64 @@
+"""step12's skinny matrix multiply against F.linear, and the packed projections that use it.
+
+Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py), in float32
+(the interpreter's bfloat16 `tl.dot` returns wrong numbers); on a GPU bfloat16 is checked too. Shapes are uneven:
+neither the output nor the input features are multiples of the tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton", reason="Triton is not installed (it ships for Linux x86-64 only)")
+from common.loading import load_model  # noqa: E402
+from step12_cuda_graph.packed_projections import PackedProjections  # noqa: E402
+from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, skinny_linear  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_linear_matches_f_linear(dtype: torch.dtype, rows: int, with_bias: bool) -> None:
+    n, k = 100, 200  # 100 = 3 tiles of 32 and a bit; 200 = 3 steps of 64 and a bit
+    x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
+    weight = torch.randn(n, k, device=DEVICE, dtype=dtype) * k**-0.5
+    bias = torch.randn(n, device=DEVICE, dtype=dtype) if with_bias else None
+    got = skinny_linear(x, weight, bias, SkinnyConfig(block_n=32, block_k=64))
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert got.shape == (rows, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_skinny_linear_reads_strided_rows() -> None:
+    """Rows a packed row apart (a slice of a wider activation) are read in place."""
+    wide = torch.randn(4, 300, device=DEVICE)
+    x = wide[:, :200]
+    weight = torch.randn(50, 200, device=DEVICE)
+    torch.testing.assert_close(skinny_linear(x, weight, config=SkinnyConfig(block_n=16, block_k=64)),
+                               F.linear(x, weight), atol=1e-4, rtol=1e-5)
+
+
+def test_skinny_linear_refuses_too_many_rows() -> None:
+    with pytest.raises(ValueError, match="use F.linear"):
+        skinny_linear(torch.randn(MAX_ROWS + 1, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE))
+
+
+@pytest.mark.parametrize("model_name", ["tiny-qwen2", "tiny-llama"])  # with and without q/k/v biases
+def test_skinny_projections_match_the_layers(model_name: str) -> None:
+    """Every projection of a layer through the skinny kernel, at a decode batch and past MAX_ROWS (F.linear)."""
+    model = load_model(model_name, device=DEVICE).model
+    layer = model.model.layers[1]
+    attention, mlp = layer.self_attn, layer.mlp
+    groups = [(attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
+              (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+    packed = PackedProjections(model, skinny=True)
+    for rows in (2, MAX_ROWS + 3):
+        for linears in groups:
+            x = torch.randn(rows, linears[0].in_features, device=DEVICE)
+            for got, linear in zip(packed(x, linears), linears, strict=True):
+                torch.testing.assert_close(got, linear(x), atol=1e-5, rtol=1e-5)
