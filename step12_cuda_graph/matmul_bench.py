@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from common.bench import evidence_header
 from common.config import ModelConfig, load_bundled_config
@@ -59,7 +60,11 @@ def bench_shape(n: int, k: int, has_bias: bool, rows_tried: list[int], grid: lis
         cublas_ms = timed_ms(cublas, repeats)
         settings = []
         for config in grid:
-            got = skinny_linear(x, weights[0], bias, config).float()
+            try:
+                got = skinny_linear(x, weights[0], bias, config).float()
+            except triton.runtime.errors.OutOfResources:  # the pipeline's buffers exceed shared memory
+                settings.append({"config": vars(config), "error": None, "ms": None, "fits": False})
+                continue
             error = (got - expected).abs().max().item() / expected.abs().max().item()
             if error > 2e-2:
                 settings.append({"config": vars(config), "error": error, "ms": None})
