@@ -214,6 +214,8 @@ class CausalLM(nn.Module):
         assert update is not None, "a decoder has at least one layer"
         return ctx.add_rms_norm(self.model.norm, x, update)[1]  # the last MLP's output, added, then normalised
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the rows we sample from (usually each request's last token only)."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """Float32 logits for the rows we sample from (usually each request's last token only); the head's
+        projection asked of `ctx` if given."""
+        (logits,) = ctx.project(hidden, (self.lm_head,)) if ctx is not None else (self.lm_head(hidden),)
+        return logits.float()

@@ -25,7 +25,8 @@ parity() {
     done
     python step12_cuda_graph/run.py --dry-run --device cuda --attn triton
     # The embedded model's weights are not carried to the GPU machine: its tests run on CPU in CI.
-    python -m pytest -q -m "not embedded" tests/test_triton_kernels.py tests/test_step06.py tests/test_step12.py
+    python -m pytest -q -m "not embedded" tests/test_triton_kernels.py tests/test_step06.py tests/test_step12.py \
+      tests/test_fused_kernels.py tests/test_skinny_matmul.py tests/test_packed_projections.py
   } 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/dry-run-cuda.txt"
 }
 
@@ -64,14 +65,15 @@ graphs_large() {
 }
 
 profile_step() {
-  echo "== step12: where a replayed decode step's GPU time goes, at batch 1, 8 and 64, without and with --fused-ops"
+  echo "== step12: where a replayed decode step's GPU time goes, at batch 1, 8 and 64: plain, fused ops on cuBLAS, fused ops on the skinny matmul"
   python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 \
     --output "$OUT/profile-cuda-random-qwen2.5-7b.json"
 }
 
 step12_ablation() {
   echo "== step12 end to end with each of its optimisations switched off in turn: random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
-  for switches in "--no-fused-ops --no-overlap" "--fused-ops --no-overlap" "--fused-ops --overlap"; do
+  for switches in "--no-fused-ops --no-overlap" "--fused-ops --no-skinny-matmul --no-overlap" \
+                  "--fused-ops --no-skinny-matmul --overlap" "--fused-ops --skinny-matmul --overlap"; do
     python step12_cuda_graph/run.py --bench --model random:qwen2.5-7b --device cuda --batch-sizes 1,8,64 \
       --max-tokens 128 --repeats 2 --no-hf $switches --bench-output "$OUT/step12-bench${switches// /}.json"
   done
@@ -96,6 +98,12 @@ checkpoint_memory() {
   echo "== a 7B checkpoint loads onto the GPU without a second copy"
   python scripts/check_checkpoint_memory.py --folder /tmp/ckpt-qwen2.5-7b \
     --output "$OUT/checkpoint-load-memory-qwen2.5-7b.json"
+}
+
+matmul_bench() {
+  echo "== step12: the skinny matrix multiply against cuBLAS at Qwen2.5-7B's projection shapes, 1 to 16 rows"
+  python step12_cuda_graph/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16 \
+    --output "$OUT/matmul-bench-cuda-qwen2.5-7b.json"
 }
 
 kernel_bench() {
@@ -125,5 +133,5 @@ serve_graphs() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long graphs_large profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long graphs_large matmul_bench profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs)
 for section in "${sections[@]}"; do "$section"; done

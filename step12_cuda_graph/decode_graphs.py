@@ -170,8 +170,8 @@ class DecodeGraphs:
         # A row launched before the host saw its input token reads it from the previous replay's output.
         previous = s.previous_rows[:bucket]
         input_ids = torch.where(previous >= 0, self.tokens[previous.clamp(min=0)], s.input_ids[:bucket])
-        hidden = self.model(input_ids, self.make_context(meta, positions))
-        logits = self.model.compute_logits(hidden)
+        ctx = self.make_context(meta, positions)
+        logits = self.model.compute_logits(self.model(input_ids, ctx), ctx)
         if sampled:
             rows = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:bucket] for f in fields(SamplingTensors)})
             self.tokens[:bucket] = sample_rows(logits, rows)

@@ -7,7 +7,7 @@ bandwidth. The packed weight is the separate weights stacked by rows; the model'
 views of it, so the memory is not held twice and every other path (prefill, the eager steps) reads the
 very same numbers.
 
-The single projections (o, down) are held here too, as packs of one, so that at small batch sizes every
+The single projections (o, down, the output head) are held here too, as packs of one, so that at small batch sizes every
 projection can go through the skinny matrix multiply (`skinny_matmul.py`) instead of cuBLAS.
 """
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model import CausalLM
-from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, skinny_config, skinny_linear
+from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, device_limits, skinny_config, skinny_linear
 
 
 class PackedLinear:
@@ -31,7 +31,10 @@ class PackedLinear:
         if any(has_bias) and not all(has_bias):
             raise ValueError("a packed projection needs a bias on every part or on none")
         self.bias = stack_in_place([linear.bias for linear in linears]) if all(has_bias) else None
-        self.skinny: SkinnyConfig | None = skinny_config(*self.weight.shape) if skinny else None
+        self.skinny: SkinnyConfig | None = None
+        if skinny:
+            self.skinny = skinny_config(self.weight.shape[0], self.weight.element_size(),
+                                        **device_limits(self.weight.device))
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
@@ -62,7 +65,7 @@ def stack_in_place(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class PackedProjections:
-    """Every layer's q/k/v and gate/up packed, and o and down as packs of one; looked up by the tuple of
+    """Every layer's q/k/v and gate/up packed, and o, down and the head as packs of one; looked up by the tuple of
     layers the model asks for. With `skinny`, batches of at most `MAX_ROWS` rows use `skinny_linear`."""
 
     def __init__(self, model: CausalLM, skinny: bool = False) -> None:
@@ -72,6 +75,7 @@ class PackedProjections:
             for linears in ((attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
                             (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)):
                 self.packed[linears] = PackedLinear(linears, skinny)
+        self.packed[model.lm_head,] = PackedLinear((model.lm_head,), skinny)
 
     def __call__(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
         packed = self.packed.get(linears)

@@ -1,8 +1,9 @@
 """Where one decode step's GPU time goes, once the host is out of the way (CUDA only).
 
 With graphs, a step lasts as long as the GPU needs for its kernels plus the small gaps between them. For
-each batch size, without and with `--fused-ops`, this script puts that many requests of `--context` tokens
-in flight on a `CudaGraphEngine` (one model, loaded once), then measures:
+each batch size and each variant (plain; `--fused-ops` with cuBLAS; `--fused-ops` with the skinny matrix
+multiply), this script puts that many requests of `--context` tokens in flight on a `CudaGraphEngine` (one
+model, loaded once), then measures:
 - the replayed graph's time per step (CUDA events over many replays);
 - the same forward run eagerly under torch.profiler: every kernel's GPU time, summed per step and grouped
   (matrix multiplies, our attention kernels, element-wise and reductions, the rest), with the most costly
@@ -33,7 +34,7 @@ from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
 
 CATEGORIES = {  # first match wins, on the lower-cased kernel name
     "attention (ours)": ("_paged_decode", "_merge_splits", "_write_kv"),
-    "matrix multiply": ("gemm", "gemv", "cutlass", "sm90_", "cublas", "splitk"),
+    "matrix multiply": ("gemm", "gemv", "cutlass", "sm90_", "cublas", "splitk", "_skinny_matmul"),
     "element-wise and reductions": ("elementwise", "vectorized", "reduce", "index", "cat", "copy", "fill"),
 }
 
@@ -43,11 +44,15 @@ def category_of(kernel: str) -> str:
     return next((c for c, keys in CATEGORIES.items() if any(k in name for k in keys)), "other")
 
 
-def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, steps: int, fused_ops: bool) -> dict:
+VARIANTS = {"plain": {"fused_ops": False}, "fused ops, cuBLAS": {"fused_ops": True, "skinny_matmul": False},
+            "fused ops, skinny matmul": {"fused_ops": True, "skinny_matmul": True}}
+
+
+def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, steps: int, variant: str) -> dict:
     """One engine, `batch` requests of `context` tokens in flight: the replay timed, the kernels profiled."""
     blocks = batch * -(-(context + 8) // 16) + 8
     engine = CudaGraphEngine(loaded, CudaGraphEngineConfig(model=model, device="cuda", num_blocks=blocks,
-                                                           max_graph_batch=batch, attn="triton", fused_ops=fused_ops))
+                                                           max_graph_batch=batch, attn="triton", **VARIANTS[variant]))
     for i in range(batch):  # prompts one token short of the context; their first step prefills them
         engine.add_request([1000 + (7 * i + j) % 30000 for j in range(context - 1)],
                            SamplingParams(max_tokens=4, ignore_eos=True))
@@ -86,7 +91,7 @@ def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, ste
     by_category: dict[str, float] = defaultdict(float)
     for k in kernels:
         by_category[k["category"]] += k["ms_per_step"]
-    point = {"batch": batch, "bucket": bucket, "context": context, "fused_ops": fused_ops,
+    point = {"batch": batch, "bucket": bucket, "context": context, "variant": variant, **VARIANTS[variant],
              "replay_ms_per_step": replay_ms, "kernel_ms_per_step": sum(by_category.values()),
              "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
              "ms_per_step_by_category": dict(by_category), "top_kernels": kernels[:25]}
@@ -116,11 +121,11 @@ def main() -> int:
                              weight_read_ceiling_ms=ceiling_ms)
     points = []
     for batch in map(int, args.batches.split(",")):
-        for fused_ops in (False, True):
-            point = profile_point(loaded, args.model, batch, args.context, args.steps, fused_ops)
+        for variant in VARIANTS:
+            point = profile_point(loaded, args.model, batch, args.context, args.steps, variant)
             point["replay_vs_ceiling"] = ceiling_ms / point["replay_ms_per_step"]
             points.append(point)
-            print(f"batch {batch} (bucket {point['bucket']}), fused ops {fused_ops}: replay "
+            print(f"batch {batch} (bucket {point['bucket']}), {variant}: replay "
                   f"{point['replay_ms_per_step']:.2f} ms per step; kernels {point['kernel_ms_per_step']:.2f} ms in "
                   f"{point['kernels_per_step']:.0f} launches; weight-read ceiling {ceiling_ms:.2f} ms "
                   f"({100 * point['replay_vs_ceiling']:.0f}% of it reached)", flush=True)

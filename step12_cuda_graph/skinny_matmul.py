@@ -34,9 +34,37 @@ class SkinnyConfig:
     num_stages: int = 4
 
 
-def skinny_config(n: int, k: int) -> SkinnyConfig:
-    """The launch settings for a weight of n output features and k input features (from matmul_bench.py)."""
-    return SkinnyConfig()
+def skinny_config(n: int, element_size: int = 2, multiprocessors: int = 132, shared_memory: int = 227 * 1024
+                  ) -> SkinnyConfig:
+    """Launch settings for a weight of n output features, from `matmul_bench.py` on the H200.
+
+    A pipeline deep enough to keep a multiprocessor's loads in flight fills most of its shared memory, so
+    one program runs per multiprocessor. A weight with few output features (Qwen2.5-7B's o and down: 3584)
+    is best cut into bands just narrow enough that every program runs at once, in one wave: 32 features,
+    or 64 where 32 would make more programs than multiprocessors (q/k/v: 4608). A weight with many
+    (gate/up, the output head) makes many waves anyway: shallower pipelines, two programs per multiprocessor.
+    Stages are dropped where they would not fit in a device's shared memory (float32 weights, smaller GPUs)."""
+    if n <= 32 * multiprocessors:
+        config = SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
+    elif n <= 64 * multiprocessors:
+        config = SkinnyConfig(block_n=64, block_k=256, num_warps=4, num_stages=5)
+    else:
+        config = SkinnyConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+    block_k, stages = config.block_k, config.num_stages
+    while stages * (MAX_ROWS + config.block_n) * block_k * element_size > shared_memory:  # an x and a weight tile
+        if stages > 2:
+            stages -= 1
+        else:
+            block_k //= 2
+    return SkinnyConfig(config.block_n, block_k, config.num_warps, stages)
+
+
+def device_limits(device: torch.device) -> dict[str, int]:
+    """The multiprocessor count and shared memory per program that `skinny_config` plans for."""
+    if device.type != "cuda":
+        return {}  # the interpreter: any settings run
+    properties = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+    return {"multiprocessors": properties["multiprocessor_count"], "shared_memory": properties["max_shared_mem"]}
 
 
 @triton.jit

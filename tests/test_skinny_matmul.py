@@ -13,7 +13,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="Triton is not installed (it ships for Linux x86-64 only)")
 from common.loading import load_model  # noqa: E402
 from step12_cuda_graph.packed_projections import PackedProjections  # noqa: E402
-from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, skinny_linear  # noqa: E402
+from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, skinny_config, skinny_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -62,3 +62,13 @@ def test_skinny_projections_match_the_layers(model_name: str) -> None:
             x = torch.randn(rows, linears[0].in_features, device=DEVICE)
             for got, linear in zip(packed(x, linears), linears, strict=True):
                 torch.testing.assert_close(got, linear(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("shared_memory", [100 * 1024, 227 * 1024])
+@pytest.mark.parametrize("n", [896, 3584, 4608, 37888])
+def test_skinny_config_fits_shared_memory(element_size: int, shared_memory: int, n: int) -> None:
+    """The pipeline's tiles fit the device, whatever the dtype: a launch never runs out of shared memory."""
+    config = skinny_config(n, element_size, multiprocessors=132, shared_memory=shared_memory)
+    stage_bytes = (MAX_ROWS + config.block_n) * config.block_k * element_size
+    assert config.num_stages >= 2 and config.num_stages * stage_bytes <= shared_memory
