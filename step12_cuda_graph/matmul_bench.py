@@ -32,9 +32,9 @@ from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, SplitScratch
 L2_MULTIPLE = 8  # the copies of a weight together hold this many times the L2 cache (H200: 50 MB)
 
 
-def launch_grid(split_ks: list[int]) -> list[SkinnyConfig]:
-    return [SkinnyConfig(n, k, 4, stages, split) for split, n, k, stages in
-            itertools.product(split_ks, (16, 32, 64), (128, 256, 512), (3, 4, 5))]
+def launch_grid(split_ks: list[int], block_ns: list[int], block_ks: list[int], stages: list[int]) -> list[SkinnyConfig]:
+    return [SkinnyConfig(n, k, 4, stage, split) for split, n, k, stage in
+            itertools.product(split_ks, block_ns, block_ks, stages)]
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int, bool]]:
@@ -104,7 +104,10 @@ def main() -> int:
     p.add_argument("--config", default="qwen2.5-7b", help="a bundled model config: the shapes to time")
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--shapes", default="qkv,o,gate_up,down,down_gated,lm_head")
-    p.add_argument("--split-k", default="1", help="the split_k values in the grid of launch settings")
+    p.add_argument("--split-k", default="1", help="the grid of launch settings: split_k values")
+    p.add_argument("--block-n", default="16,32,64", help="the grid: output features per program")
+    p.add_argument("--block-k", default="128,256,512", help="the grid: K per loop iteration")
+    p.add_argument("--stages", default="3,4,5", help="the grid: pipeline stages (all with 4 warps)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
@@ -114,7 +117,8 @@ def main() -> int:
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = load_bundled_config(args.config)
     rows_tried = [int(r) for r in args.rows.split(",")]
-    grid = launch_grid([int(s) for s in args.split_k.split(",")])
+    grid = launch_grid(*([int(v) for v in values.split(",")]
+                         for values in (args.split_k, args.block_n, args.block_k, args.stages)))
     header = evidence_header(device, f"shapes of {args.config}", dtype, rows=rows_tried,
                              copy_bandwidth_gbs=copy_bandwidth_gbs(device), grid_size=len(grid))
     shapes = {}
