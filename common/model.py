@@ -62,11 +62,6 @@ class ForwardContext(ABC):
         """The gated MLP's activation: silu(gate) * up."""
         return F.silu(gate) * up
 
-    def project_gated(self, gate: torch.Tensor, up: torch.Tensor, projection: nn.Linear) -> torch.Tensor:
-        """The gated MLP's output: projection(silu(gate) * up)."""
-        (out,) = self.project(self.silu_mul(gate, up), (projection,))
-        return out
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -148,7 +143,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         gate, up = ctx.project(x, (self.gate_proj, self.up_proj))
-        return ctx.project_gated(gate, up, self.down_proj)
+        (down,) = ctx.project(ctx.silu_mul(gate, up), (self.down_proj,))
+        return down
 
 
 class DecoderLayer(nn.Module):

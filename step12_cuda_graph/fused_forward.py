@@ -40,10 +40,3 @@ class FusedOpsForward(PagedAttentionForward):
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return fused_kernels.silu_mul(gate, up)
-
-    def project_gated(self, gate: torch.Tensor, up: torch.Tensor, projection: nn.Linear) -> torch.Tensor:
-        packed = self.packed.packed.get((projection,))
-        if packed is None or not packed.runs_skinny(gate):
-            return super().project_gated(gate, up, projection)
-        (out,) = packed(gate, up)  # silu(gate) * up made inside the matrix multiply: one kernel fewer per layer
-        return out

@@ -1,15 +1,13 @@
 """Time a decode step's projections at small batch sizes: cuBLAS (F.linear) against `skinny_linear`.
 
-For each weight shape of one model (q/k/v packed, o, gate/up packed, down with and without its gate folded
-in, the output head) and each number of rows, the skinny kernel's output is first compared with F.linear's;
-then both are timed, the skinny kernel at every launch setting of a small grid (`--split-k` adds settings
-that split K among several programs per band). Each call reads a different copy of the weight (enough
+For each weight shape of one model (q/k/v packed, o, gate/up packed, down, the output head) and each number
+of rows, the skinny kernel's output is first compared with F.linear's; then both are timed, the skinny
+kernel at every launch setting of a small grid. Each call reads a different copy of the weight (enough
 copies to exceed the L2 cache several times over), as 28 layers do, so a weight is never served from cache.
 Timing replays a CUDA graph of many calls (step06's `timed_ms`). Achieved bandwidth counts the weight's
 bytes. Writes JSON evidence with every setting's time, the best one per point, and cuBLAS's.
 
     python step12_cuda_graph/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16
-    python step12_cuda_graph/matmul_bench.py --shapes qkv,o,down,down_gated --rows 1,8 --split-k 1,2,3,4
 """
 
 from __future__ import annotations
@@ -27,52 +25,43 @@ import triton
 from common.bench import evidence_header
 from common.config import ModelConfig, load_bundled_config
 from step06_paged_attention.kernel_bench import copy_bandwidth_gbs, timed_ms
-from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, SplitScratch, skinny_linear
+from step12_cuda_graph.skinny_matmul import SkinnyConfig, skinny_linear
 
 L2_MULTIPLE = 8  # the copies of a weight together hold this many times the L2 cache (H200: 50 MB)
-
-
-def launch_grid(split_ks: list[int], block_ns: list[int], block_ks: list[int], stages: list[int]) -> list[SkinnyConfig]:
-    return [SkinnyConfig(n, k, 4, stage, split) for split, n, k, stage in
-            itertools.product(split_ks, block_ns, block_ks, stages)]
+GRID = [SkinnyConfig(n, k, w, s) for n, k, w, s in
+        itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 5))]
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int, bool]]:
-    """Each projection a decode step runs: (output features, input features, has a bias). `down_gated` is
-    the down projection with silu(gate) * up computed as it reads its input (cuBLAS: F.linear of that input,
-    made beforehand and not timed)."""
+    """Each projection a decode step runs: (output features, input features, has a bias)."""
     h, d = config.hidden_size, config.head_dim
     q, kv = config.num_heads * d, config.num_kv_heads * d
-    down = (h, config.intermediate_size, False)
     return {"qkv": (q + 2 * kv, h, config.qkv_bias), "o": (h, q, False),
-            "gate_up": (2 * config.intermediate_size, h, False), "down": down, "down_gated": down,
+            "gate_up": (2 * config.intermediate_size, h, False), "down": (h, config.intermediate_size, False),
             "lm_head": (config.vocab_size, h, False)}
 
 
-def bench_shape(n: int, k: int, has_bias: bool, gated: bool, rows_tried: list[int], grid: list[SkinnyConfig],
+def bench_shape(n: int, k: int, has_bias: bool, rows_tried: list[int], grid: list[SkinnyConfig],
                 dtype: torch.dtype, repeats: int) -> list[dict]:
     device = torch.device("cuda")
     weight_bytes = n * k * dtype.itemsize
     copies = max(2, -(-L2_MULTIPLE * 50 * 2**20 // weight_bytes))
     weights = [torch.randn(n, k, dtype=dtype, device=device) * k**-0.5 for _ in range(copies)]
     bias = torch.randn(n, dtype=dtype, device=device) if has_bias else None
-    scratch = SplitScratch(max(c.split_k for c in grid) * MAX_ROWS * n, n // 16 + 1, device)
     points = []
     for rows in rows_tried:
         x = torch.randn(rows, k, dtype=dtype, device=device)
-        up = torch.randn(rows, k, dtype=dtype, device=device) if gated else None
-        x_in = (F.silu(x.float()) * up.float()).to(dtype) if gated else x  # what the weight multiplies
-        expected = F.linear(x_in, weights[0], bias).float()
+        expected = F.linear(x, weights[0], bias).float()
         turn = itertools.count()
 
         def cublas() -> None:
-            F.linear(x_in, weights[next(turn) % copies], bias)
+            F.linear(x, weights[next(turn) % copies], bias)
 
         cublas_ms = timed_ms(cublas, repeats)
         settings = []
         for config in grid:
             try:
-                got = skinny_linear(x, weights[0], bias, config, up, scratch).float()
+                got = skinny_linear(x, weights[0], bias, config).float()
             except triton.runtime.errors.OutOfResources:  # the pipeline's buffers exceed shared memory
                 settings.append({"config": vars(config), "error": None, "ms": None, "fits": False})
                 continue
@@ -81,11 +70,11 @@ def bench_shape(n: int, k: int, has_bias: bool, gated: bool, rows_tried: list[in
                 settings.append({"config": vars(config), "error": error, "ms": None})
                 print(f"  {n}x{k} rows {rows} {config}: WRONG (relative error {error:.3g}), not timed")
                 continue
-            ms = timed_ms(lambda: skinny_linear(x, weights[next(turn) % copies], bias, config, up, scratch), repeats)
+            ms = timed_ms(lambda: skinny_linear(x, weights[next(turn) % copies], bias, config), repeats)
             settings.append({"config": vars(config), "error": error, "ms": ms})
         timed = [s for s in settings if s["ms"] is not None]
         best = min(timed, key=lambda s: s["ms"]) if timed else None
-        point = {"n": n, "k": k, "bias": has_bias, "gated": gated, "rows": rows, "weight_mb": weight_bytes / 1e6,
+        point = {"n": n, "k": k, "bias": has_bias, "rows": rows, "weight_mb": weight_bytes / 1e6,
                  "copies": copies, "cublas_us": cublas_ms * 1e3,
                  "cublas_gbs": weight_bytes / (cublas_ms * 1e-3) / 1e9,
                  "best": best and {"config": best["config"], "us": best["ms"] * 1e3,
@@ -103,11 +92,6 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="qwen2.5-7b", help="a bundled model config: the shapes to time")
     p.add_argument("--rows", default="1,2,4,8,16")
-    p.add_argument("--shapes", default="qkv,o,gate_up,down,down_gated,lm_head")
-    p.add_argument("--split-k", default="1", help="the grid of launch settings: split_k values")
-    p.add_argument("--block-n", default="16,32,64", help="the grid: output features per program")
-    p.add_argument("--block-k", default="128,256,512", help="the grid: K per loop iteration")
-    p.add_argument("--stages", default="3,4,5", help="the grid: pipeline stages (all with 4 warps)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
@@ -117,14 +101,11 @@ def main() -> int:
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = load_bundled_config(args.config)
     rows_tried = [int(r) for r in args.rows.split(",")]
-    grid = launch_grid(*([int(v) for v in values.split(",")]
-                         for values in (args.split_k, args.block_n, args.block_k, args.stages)))
     header = evidence_header(device, f"shapes of {args.config}", dtype, rows=rows_tried,
-                             copy_bandwidth_gbs=copy_bandwidth_gbs(device), grid_size=len(grid))
+                             copy_bandwidth_gbs=copy_bandwidth_gbs(device), grid_size=len(GRID))
     shapes = {}
-    for name in args.shapes.split(","):
-        n, k, has_bias = projection_shapes(config)[name]
-        shapes[name] = bench_shape(n, k, has_bias, name.endswith("_gated"), rows_tried, grid, dtype, args.repeats)
+    for name, (n, k, has_bias) in projection_shapes(config).items():
+        shapes[name] = bench_shape(n, k, has_bias, rows_tried, GRID, dtype, args.repeats)
     output = args.output or Path("results/step12_cuda_graph") / f"matmul-bench-cuda-{args.config}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(header | {"shapes": shapes}, indent=2) + "\n")

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model import CausalLM
-from step12_cuda_graph.skinny_matmul import (MAX_ROWS, SkinnyConfig, SplitScratch, device_limits, skinny_config,
-                                             skinny_linear)
+from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, device_limits, skinny_config, skinny_linear
 
 
 class PackedLinear:
@@ -36,19 +35,12 @@ class PackedLinear:
         if skinny:
             self.skinny = skinny_config(self.weight.shape[0], self.weight.element_size(),
                                         **device_limits(self.weight.device))
-        self.scratch: SplitScratch | None = None  # given by PackedProjections if the config splits K
 
-    def runs_skinny(self, x: torch.Tensor) -> bool:
-        return self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS
-
-    def __call__(self, x: torch.Tensor, up: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """Each part's output for input x; with `up` (skinny only), for input silu(x) * up."""
-        if self.runs_skinny(x):
-            out = skinny_linear(x, self.weight, self.bias, self.skinny, up, self.scratch)
-        elif up is None:
-            out = F.linear(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+            out = skinny_linear(x, self.weight, self.bias, self.skinny)
         else:
-            raise ValueError("a gated input is folded in by the skinny kernel only: check runs_skinny first")
+            out = F.linear(x, self.weight, self.bias)
         # The parts come back as column slices of one output: each token's row of a part is contiguous,
         # consecutive tokens are a packed row apart. The kernels that read them take that stride.
         return out.split(self.sizes, dim=-1)
@@ -84,13 +76,6 @@ class PackedProjections:
                             (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)):
                 self.packed[linears] = PackedLinear(linears, skinny)
         self.packed[model.lm_head,] = PackedLinear((model.lm_head,), skinny)
-        # One scratch for every pack that splits K: the decode forward runs its projections one at a time.
-        splits = [p for p in self.packed.values() if p.skinny is not None and p.skinny.split_k > 1]
-        if splits:
-            scratch = SplitScratch(max(p.skinny.split_k * MAX_ROWS * p.weight.shape[0] for p in splits),
-                                   max(-(-p.weight.shape[0] // p.skinny.block_n) for p in splits), model.device)
-            for packed in splits:
-                packed.scratch = scratch
 
     def __call__(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
         packed = self.packed.get(linears)

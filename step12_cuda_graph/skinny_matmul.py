@@ -26,24 +26,12 @@ MAX_ROWS = 16  # more rows than this and the multiply is no longer bound by the 
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """Launch settings: output features per program, K per loop iteration, warps, pipeline stages, and how
-    many programs share one band of output features, each taking a slice of K (`split_k`)."""
+    """Launch settings: output columns per program, K per loop iteration, warps, pipeline stages."""
 
     block_n: int = 32
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
-    split_k: int = 1
-
-
-class SplitScratch:
-    """Where the parts of a split-K multiply meet: float32 partial sums, and per band of output features
-    how many parts have arrived. The last part to arrive adds them up and sets its count back to 0, so the
-    counts are 0 between calls and a CUDA graph can replay the calls. Calls on one stream may share it."""
-
-    def __init__(self, partials: int, bands: int, device: torch.device) -> None:
-        self.partials = torch.empty(partials, dtype=torch.float32, device=device)
-        self.arrived = torch.zeros(bands, dtype=torch.int32, device=device)
 
 
 def skinny_config(n: int, element_size: int = 2, multiprocessors: int = 132, shared_memory: int = 227 * 1024
@@ -80,50 +68,25 @@ def device_limits(device: torch.device) -> dict[str, int]:
 
 
 @triton.jit
-def _skinny_matmul_kernel(X, UP, W, BIAS, OUT, PARTIALS, ARRIVED, M, N, K, stride_xm, stride_um, stride_wn, stride_om,
-                          HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr,
+def _skinny_matmul_kernel(X, W, BIAS, OUT, M, N, K, stride_xm, stride_wn, stride_om,
+                          HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    band = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
-    cols = band * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_mask = rows < M
     col_mask = cols < N
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_start = tl.program_id(1) * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        x_mask = row_mask[:, None] & (k0 + ks < k_end)[None, :]
-        x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=x_mask, other=0.0)
-        if GATED:  # the input is silu(gate) * up, made here and rounded as the separate kernel rounds it
-            gate = x.to(tl.float32)
-            up = tl.load(UP + rows[:, None] * stride_um + (k0 + ks)[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            x = (gate / (1.0 + tl.exp(-gate)) * up).to(W.dtype.element_ty)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = k0 + ks < K
+        x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(W + cols[:, None] * stride_wn + (k0 + ks)[None, :],
-                    mask=col_mask[:, None] & (k0 + ks < k_end)[None, :], other=0.0)
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         if IEEE:  # float32 models: full-precision products, as cuBLAS gives them (no TF32)
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
-    if SPLIT_K > 1:
-        # Leave this part's sums, then count in; whoever counts in last adds every part up and writes.
-        parts = PARTIALS + rows[:, None] * N + cols[None, :]
-        tl.store(parts + tl.program_id(1) * BLOCK_M * N, acc, mask=col_mask[None, :])
-        tl.debug_barrier()  # every thread's partial sums are written before the count says so
-        arrived = tl.atomic_add(ARRIVED + band, 1)  # acquire and release: the others' sums are visible to the last
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for part in range(SPLIT_K):
-                acc += tl.load(parts + part * BLOCK_M * N, mask=col_mask[None, :], other=0.0, cache_modifier=".cg")
-            tl.store(ARRIVED + band, 0)
-            _store_rows(acc, BIAS, OUT, rows, cols, row_mask, col_mask, stride_om, HAS_BIAS)
-    else:
-        _store_rows(acc, BIAS, OUT, rows, cols, row_mask, col_mask, stride_om, HAS_BIAS)
-
-
-@triton.jit
-def _store_rows(acc, BIAS, OUT, rows, cols, row_mask, col_mask, stride_om, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(OUT + rows[:, None] * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
@@ -131,28 +94,18 @@ def _store_rows(acc, BIAS, OUT, rows, cols, row_mask, col_mask, stride_om, HAS_B
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig = SkinnyConfig(), up: torch.Tensor | None = None,
-                  scratch: SplitScratch | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [rows <= MAX_ROWS, K], each row contiguous, and a contiguous weight.
-    With `up` (x's shape), the input is silu(x) * up: the MLP's down projection with its gate folded in.
-    A config with `split_k` > 1 needs `scratch` large enough for its partial sums and bands."""
+                  config: SkinnyConfig = SkinnyConfig()) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [rows <= MAX_ROWS, K] with contiguous rows and a contiguous weight."""
     rows, k = x.shape
     n = weight.shape[0]
     if rows > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {rows}: use F.linear")
-    if x.stride(1) != 1 or not weight.is_contiguous() or (up is not None and (up.shape != x.shape or up.stride(1) != 1)):
-        raise ValueError("skinny_linear needs x's (and up's) rows and the weight contiguous")
-    bands = triton.cdiv(n, config.block_n)
-    if config.split_k > 1 and (scratch is None or scratch.partials.numel() < config.split_k * MAX_ROWS * n
-                               or scratch.arrived.numel() < bands):
-        raise ValueError(f"split_k={config.split_k} needs a SplitScratch of at least "
-                         f"{config.split_k * MAX_ROWS * n} partial sums and {bands} bands")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("skinny_linear needs x's rows and the weight contiguous")
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    partials, arrived = (scratch.partials, scratch.arrived) if scratch is not None else (out, out)
-    _skinny_matmul_kernel[(bands, config.split_k)](
-        x, up if up is not None else x, weight, bias if bias is not None else weight, out, partials, arrived,
-        rows, n, k, x.stride(0), (up if up is not None else x).stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=up is not None, IEEE=x.dtype == torch.float32, SPLIT_K=config.split_k,
+    _skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
