@@ -4,7 +4,7 @@
 - `paged_decode`: one new query token per request against its whole cached sequence. A program owns one
   (request, KV head, sequence split): it loads each K/V tile once and uses it for every query head of that
   KV head's group (grouped-query attention), keeping an online softmax. Several splits per sequence keep
-  the GPU busy when there are few requests but long contexts; the split that finishes last merges them.
+  the GPU busy when there are few requests but long contexts; a second small kernel merges the splits.
   Lengths are read from device memory inside the kernel, not baked in as launch constants.
 - `paged_prefill`: new tokens of several requests (a flat, variable-length batch) attending causally to
   their own cached prefix plus themselves, read through the block table.
@@ -84,8 +84,8 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexp
 
 @triton.jit
 def _paged_decode_split_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L, ARRIVED, OUT, scale,
-    stride_qb, stride_qh, stride_bt, stride_slot, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
+    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L, scale,
+    stride_qb, stride_qh, stride_bt, stride_slot, stride_acc_b, stride_acc_h, stride_acc_s,
     NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -101,8 +101,7 @@ def _paged_decode_split_kernel(
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g
-    in_group = (g < GROUP)[:, None]
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=in_group, other=0.0)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
     q = (q.to(tl.float32) * scale).to(q.dtype)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -115,47 +114,37 @@ def _paged_decode_split_kernel(
                              HEAD_DIM, BLOCK_SIZE)
         m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, PRECISION)
 
-    out = OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
-    if NUM_SPLITS == 1:
-        # Rows past the group (padding) have nothing to divide by: 1 keeps them finite.
-        tl.store(out, (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(OUT.dtype.element_ty), mask=in_group)
-    else:
-        # Leave this split's partial result, then count in. The split that counts in last merges them all,
-        # so no second kernel is launched (and none waits for the slowest split of every row to start).
-        parts = ACC + b * stride_acc_b + heads[:, None] * stride_acc_h + d[None, :]
-        tl.store(parts + split * stride_acc_s, acc, mask=in_group)
-        stats = b * (stride_acc_b // HEAD_DIM) + heads * NUM_SPLITS
-        tl.store(M + stats + split, m_i, mask=g < GROUP)
-        tl.store(L + stats + split, l_i, mask=g < GROUP)
-        tl.debug_barrier()  # every thread's stores are made before the count says they are
-        counter = ARRIVED + b * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:  # acquire and release: the others' stores are visible
-            m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-            l_all = tl.zeros([GROUP_PAD], tl.float32)
-            acc_all = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-            for s in range(NUM_SPLITS):  # the same rescaling as one online-softmax step, split by split
-                m_s = tl.load(M + stats + s, mask=g < GROUP, other=float("-inf"), cache_modifier=".cg")
-                l_s = tl.load(L + stats + s, mask=g < GROUP, other=0.0, cache_modifier=".cg")
-                acc_s = tl.load(parts + s * stride_acc_s, mask=in_group, other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m_all, m_s)
-                base = tl.where(m_new == float("-inf"), 0.0, m_new)
-                old, new = tl.exp(m_all - base), tl.exp(m_s - base)
-                l_all = l_all * old + l_s * new
-                acc_all = acc_all * old[:, None] + acc_s * new[:, None]
-                m_all = m_new
-            l_all = tl.where(l_all == 0.0, 1.0, l_all)  # padding rows past the group
-            tl.store(out, (acc_all / l_all[:, None]).to(OUT.dtype.element_ty), mask=in_group)
-            tl.store(counter, 0)  # back to 0 for the next call (the next layer reuses the counters)
+    out = ACC + b * stride_acc_b + heads[:, None] * stride_acc_h + split * stride_acc_s + d[None, :]
+    tl.store(out, acc, mask=(g < GROUP)[:, None])
+    stat = b * (stride_acc_b // HEAD_DIM) + heads * NUM_SPLITS + split
+    tl.store(M + stat, m_i, mask=g < GROUP)
+    tl.store(L + stat, l_i, mask=g < GROUP)
+
+
+@triton.jit
+def _merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    used = s < NUM_SPLITS
+    stat = b * (stride_acc_b // HEAD_DIM) + h * NUM_SPLITS + s
+    m = tl.load(M + stat, mask=used, other=float("-inf"))
+    l = tl.load(L + stat, mask=used, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    acc = tl.load(ACC + b * stride_acc_b + h * stride_acc_h + s[:, None] * stride_acc_s + d[None, :],
+                  mask=used[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, num_splits: int = 1, tile: int = DECODE_TILE,
-                 num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
-                 arrived: torch.Tensor | None = None) -> torch.Tensor:
+                 num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES) -> torch.Tensor:
     """q: [batch, heads, head_dim]; caches: one layer, [num_blocks, block_size, kv_heads, head_dim];
     block_table: [batch, max_blocks] int32; seq_lens: [batch] int32 (tokens cached, the new one included).
-    `arrived`: int32 zeros, at least batch x kv_heads, where the splits of each row count in (they leave
-    them at 0); pass a buffer kept for the purpose, or a new one is zeroed on every call.
     Returns [batch, heads, head_dim] in q's dtype."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -163,18 +152,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     acc = torch.empty(batch, heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
     m = torch.empty(batch, heads, num_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
-    if arrived is None:
-        arrived = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device)
-    elif arrived.numel() < batch * kv_heads:
-        raise ValueError(f"`arrived` needs {batch * kv_heads} counters, has {arrived.numel()}")
-    out = torch.empty_like(q)
     _paged_decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, acc, m, l, arrived, out, head_dim**-0.5,
+        q, k_cache, v_cache, block_table, seq_lens, acc, m, l, head_dim**-0.5,
         q.stride(0), q.stride(1), block_table.stride(0), kv_heads * head_dim,
-        acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2),
         NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
+    )
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(batch, heads)](
+        acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
     )
     return out
 

@@ -33,7 +33,7 @@ from step06_paged_attention.kernel_bench import copy_bandwidth_gbs
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
 
 CATEGORIES = {  # first match wins, on the lower-cased kernel name
-    "attention (ours)": ("_paged_decode", "_write_kv"),
+    "attention (ours)": ("_paged_decode", "_merge_splits", "_write_kv"),
     "matrix multiply": ("gemm", "gemv", "cutlass", "sm90_", "cublas", "splitk", "_skinny_matmul"),
     "element-wise and reductions": ("elementwise", "vectorized", "reduce", "index", "cat", "copy", "fill"),
 }
