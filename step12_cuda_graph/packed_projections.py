@@ -7,8 +7,9 @@ bandwidth. The packed weight is the separate weights stacked by rows; the model'
 views of it, so the memory is not held twice and every other path (prefill, the eager steps) reads the
 very same numbers.
 
-The single projections (o, down, the output head) are held here too, as packs of one, so that at small batch sizes every
-projection can go through the skinny matrix multiply (`skinny_matmul.py`) instead of cuBLAS.
+The single projections (o, down, the output head) are held here too, as packs of one, so that at small
+batch sizes every projection can go through the skinny matrix multiply (`skinny_matmul.py`) instead of
+cuBLAS.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def stack_in_place(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class PackedProjections:
-    """Every layer's q/k/v and gate/up packed, and o, down and the head as packs of one; looked up by the tuple of
-    layers the model asks for. With `skinny`, batches of at most `MAX_ROWS` rows use `skinny_linear`."""
+    """Every layer's q/k/v and gate/up packed, and o, down and the output head as packs of one; looked up by
+    the tuple of layers the model asks for. With `skinny`, batches of at most `MAX_ROWS` rows use
+    `skinny_linear`."""
 
     def __init__(self, model: CausalLM, skinny: bool = False) -> None:
         self.packed: dict[tuple[nn.Linear, ...], PackedLinear] = {}
@@ -75,7 +77,7 @@ class PackedProjections:
             for linears in ((attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
                             (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)):
                 self.packed[linears] = PackedLinear(linears, skinny)
-        self.packed[model.lm_head,] = PackedLinear((model.lm_head,), skinny)
+        self.packed[(model.lm_head,)] = PackedLinear((model.lm_head,), skinny)
 
     def __call__(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
         packed = self.packed.get(linears)
