@@ -3,8 +3,8 @@
 At batch 1 to 16 a projection y = x W^T reads a weight of megabytes to multiply it by a handful of rows, so
 it lasts as long as the weight takes to stream from memory. What decides that time is how many of the
 GPU's streaming multiprocessors (132 on an H200) keep loads in flight until the end. cuBLAS picks wide tiles
-for these shapes: on Qwen2.5-7B's gate/up weight (37888 x 3584) a tile of 384 output columns makes 99
-programs for 132 multiprocessors, and the smaller projections get split along K with a second kernel to
+for these shapes: on Qwen2.5-7B's gate/up weight (37888 x 3584) its kernel is named for tiles of 384 x 8,
+99 of them for 132 multiprocessors, and the smaller projections get split along K with a second kernel to
 reduce the parts. Here each program owns a narrow band of output columns (`block_n`) over the whole of K,
 the bands sized so that every multiprocessor streams its share until the end (`skinny_config`), and one
 launch per projection adds the bias in the same pass. The rows are padded to 16 inside the kernel (the
