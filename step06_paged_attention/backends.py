@@ -111,6 +111,10 @@ class TritonBackend(AttentionBackend):
 
         self.kernels = triton_kernels
         self.num_sms = num_sms
+        # Where the decode kernel's splits count in; every call leaves them at zeros, so they are kept, not
+        # zeroed per call (a decode graph then records no extra kernel for them). A larger batch gets a new
+        # buffer, but the old ones stay alive: a captured graph may still write to them.
+        self.arrived_buffers: list[torch.Tensor] = []
 
     def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
         """Split long sequences when batch x KV heads alone would leave most of the GPU idle. Fill one wave
@@ -124,8 +128,12 @@ class TritonBackend(AttentionBackend):
         self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def decode(self, q, k_cache, v_cache, meta):
-        splits = self.num_splits(q.shape[0], k_cache.shape[2], meta.max_seq_len)
-        return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, num_splits=splits)
+        batch, kv_heads = q.shape[0], k_cache.shape[2]
+        splits = self.num_splits(batch, kv_heads, meta.max_seq_len)
+        if not self.arrived_buffers or self.arrived_buffers[-1].numel() < batch * kv_heads:
+            self.arrived_buffers.append(torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device))
+        return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, num_splits=splits,
+                                         arrived=self.arrived_buffers[-1])
 
     def prefill(self, q, k_cache, v_cache, meta):
         return self.kernels.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens,

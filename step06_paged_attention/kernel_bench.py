@@ -97,11 +97,12 @@ def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
     splits_tried = sorted({s for s in SPLITS_TRIED if s <= max(1, context // 64)} | {chosen_splits})
 
     default_launch = (triton_kernels.DECODE_WARPS, triton_kernels.DECODE_STAGES)
+    arrived = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)  # kept, as the backend keeps it
 
     def decode(splits: int, tile: int = triton_kernels.DECODE_TILE, launch: tuple[int, int] = default_launch
                ) -> torch.Tensor:
         return triton_kernels.paged_decode(q, k_cache, v_cache, table, lens, num_splits=splits, tile=tile,
-                                           num_warps=launch[0], num_stages=launch[1])
+                                           num_warps=launch[0], num_stages=launch[1], arrived=arrived)
 
     error = max((decode(s, t, c).float() - reference).abs().max().item()
                 for s in splits_tried for t in (triton_kernels.DECODE_TILE, *other_tiles)

@@ -4,7 +4,8 @@
 - `paged_decode`: one new query token per request against its whole cached sequence. A program owns one
   (request, KV head, sequence split): it loads each K/V tile once and uses it for every query head of that
   KV head's group (grouped-query attention), keeping an online softmax. Several splits per sequence keep
-  the GPU busy when there are few requests but long contexts; a second small kernel merges the splits.
+  the GPU busy when there are few requests but long contexts; the splits are merged by the last of them
+  to finish, or, when there are many, by a second small kernel.
   Lengths are read from device memory inside the kernel, not baked in as launch constants.
 - `paged_prefill`: new tokens of several requests (a flat, variable-length batch) attending causally to
   their own cached prefix plus themselves, read through the block table.
@@ -82,12 +83,15 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexp
     return m_new, l_i, acc
 
 
+MERGE_IN_KERNEL_MAX_SPLITS = 4  # more splits than this are merged by a kernel of their own (see below)
+
+
 @triton.jit
 def _paged_decode_split_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L, scale,
-    stride_qb, stride_qh, stride_bt, stride_slot, stride_acc_b, stride_acc_h, stride_acc_s,
-    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L, ARRIVED, OUT, scale,
+    stride_qb, stride_qh, stride_bt, stride_slot, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr, MERGE_HERE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,7 +105,8 @@ def _paged_decode_split_kernel(
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
+    in_group = g < GROUP
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=in_group[:, None], other=0.0)
     q = (q.to(tl.float32) * scale).to(q.dtype)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -114,11 +119,38 @@ def _paged_decode_split_kernel(
                              HEAD_DIM, BLOCK_SIZE)
         m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, PRECISION)
 
-    out = ACC + b * stride_acc_b + heads[:, None] * stride_acc_h + split * stride_acc_s + d[None, :]
-    tl.store(out, acc, mask=(g < GROUP)[:, None])
-    stat = b * (stride_acc_b // HEAD_DIM) + heads * NUM_SPLITS + split
-    tl.store(M + stat, m_i, mask=g < GROUP)
-    tl.store(L + stat, l_i, mask=g < GROUP)
+    out = OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    if NUM_SPLITS == 1:  # nothing to merge; rows past the group (padding) divide by 1, not 0
+        tl.store(out, (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(OUT.dtype.element_ty),
+                 mask=in_group[:, None])
+    else:
+        parts = ACC + b * stride_acc_b + heads[:, None] * stride_acc_h + d[None, :]
+        stats = b * (stride_acc_b // HEAD_DIM) + heads * NUM_SPLITS
+        tl.store(parts + split * stride_acc_s, acc, mask=in_group[:, None])
+        tl.store(M + stats + split, m_i, mask=in_group)
+        tl.store(L + stats + split, l_i, mask=in_group)
+        if MERGE_HERE:
+            # Count in; the split that counts in last merges them all, so no merge kernel is launched.
+            tl.debug_barrier()  # every thread's stores are made before the count says they are
+            counter = ARRIVED + b * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1) == NUM_SPLITS - 1:  # acquire and release: the others' stores are seen
+                m_all = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+                l_all = tl.zeros([GROUP_PAD], tl.float32)
+                acc_all = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+                for s in range(NUM_SPLITS):  # the rescaling of an online-softmax step, split by split
+                    m_s = tl.load(M + stats + s, mask=in_group, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(L + stats + s, mask=in_group, other=0.0, cache_modifier=".cg")
+                    acc_s = tl.load(parts + s * stride_acc_s, mask=in_group[:, None], other=0.0,
+                                    cache_modifier=".cg")
+                    m_new = tl.maximum(m_all, m_s)
+                    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    old, new = tl.exp(m_all - base), tl.exp(m_s - base)
+                    l_all = l_all * old + l_s * new
+                    acc_all = acc_all * old[:, None] + acc_s * new[:, None]
+                    m_all = m_new
+                l_all = tl.where(l_all == 0.0, 1.0, l_all)  # padding rows past the group
+                tl.store(out, (acc_all / l_all[:, None]).to(OUT.dtype.element_ty), mask=in_group[:, None])
+                tl.store(counter, 0)  # back to 0 for the next call (the next layer reuses the counters)
 
 
 @triton.jit
@@ -142,29 +174,43 @@ def _merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, num_splits: int = 1, tile: int = DECODE_TILE,
-                 num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES) -> torch.Tensor:
+                 num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
+                 arrived: torch.Tensor | None = None) -> torch.Tensor:
     """q: [batch, heads, head_dim]; caches: one layer, [num_blocks, block_size, kv_heads, head_dim];
     block_table: [batch, max_blocks] int32; seq_lens: [batch] int32 (tokens cached, the new one included).
-    Returns [batch, heads, head_dim] in q's dtype."""
+    Returns [batch, heads, head_dim] in q's dtype.
+
+    How the splits of a row are merged (measured on the H200, `kernel_bench.py`): with up to
+    MERGE_IN_KERNEL_MAX_SPLITS, by the split that finishes last, which saves launching a second kernel;
+    with more, by that second kernel, one program per head, because one program adding up 16 or 32 splits
+    in turn is slower than the launch it saves. Merging in the kernel needs `arrived`: int32 zeros, at
+    least batch x kv_heads, where the splits count in (and which they leave at 0); pass a buffer kept for
+    the purpose, or one is zeroed for the call."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
     acc = torch.empty(batch, heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
     m = torch.empty(batch, heads, num_splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
+    merge_here = 1 < num_splits <= MERGE_IN_KERNEL_MAX_SPLITS
+    if merge_here and arrived is None:
+        arrived = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device)
+    elif merge_here and arrived.numel() < batch * kv_heads:
+        raise ValueError(f"`arrived` needs {batch * kv_heads} counters, has {arrived.numel()}")
+    out = torch.empty_like(q)
     _paged_decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, acc, m, l, head_dim**-0.5,
+        q, k_cache, v_cache, block_table, seq_lens, acc, m, l, arrived if merge_here else m, out, head_dim**-0.5,
         q.stride(0), q.stride(1), block_table.stride(0), kv_heads * head_dim,
-        acc.stride(0), acc.stride(1), acc.stride(2),
-        NUM_SPLITS=num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, MERGE_HERE=merge_here, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, PRECISION=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
-    out = torch.empty_like(q)
-    _merge_splits_kernel[(batch, heads)](
-        acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
-    )
+    if num_splits > MERGE_IN_KERNEL_MAX_SPLITS:
+        _merge_splits_kernel[(batch, heads)](
+            acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+        )
     return out
 
 
