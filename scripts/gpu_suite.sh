@@ -65,15 +65,16 @@ graphs_large() {
 }
 
 profile_step() {
-  echo "== step12: where a replayed decode step's GPU time goes, at batch 1, 8 and 64: plain, fused ops on cuBLAS, fused ops on the skinny matmul"
+  echo "== step12: where a replayed decode step's GPU time goes, at batch 1, 8 and 64: plain, fused ops on cuBLAS, fused ops on the skinny matmul, and with PDL"
   python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 \
     --output "$OUT/profile-cuda-random-qwen2.5-7b.json"
 }
 
 step12_ablation() {
   echo "== step12 end to end with each of its optimisations switched off in turn: random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
-  for switches in "--no-fused-ops --no-overlap" "--fused-ops --no-skinny-matmul --no-overlap" \
-                  "--fused-ops --no-skinny-matmul --overlap" "--fused-ops --skinny-matmul --overlap"; do
+  for switches in "--no-fused-ops --no-overlap" "--fused-ops --no-skinny-matmul --no-pdl --no-overlap" \
+                  "--fused-ops --no-skinny-matmul --no-pdl --overlap" "--fused-ops --skinny-matmul --no-pdl --overlap" \
+                  "--fused-ops --skinny-matmul --pdl --overlap"; do
     python step12_cuda_graph/run.py --bench --model random:qwen2.5-7b --device cuda --batch-sizes 1,8,64 \
       --max-tokens 128 --repeats 2 --no-hf $switches --bench-output "$OUT/step12-bench${switches// /}.json"
   done

@@ -127,17 +127,17 @@ class DecodeGraphs:
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
                  dummy_block: int, max_batch: int, capture: bool, fused_ops: bool = False,
-                 skinny_matmul: bool = False) -> None:
+                 skinny_matmul: bool = False, pdl: bool = False) -> None:
         self.model, self.cache, self.backend, self.max_model_len = model, cache, backend, max_model_len
         self.make_context: Callable[[AttentionMetadata, torch.Tensor], PagedAttentionForward] = (
             lambda meta, positions: PagedAttentionForward(cache, backend, meta, positions))
-        self.fused_ops, self.skinny_matmul = fused_ops, skinny_matmul
+        self.fused_ops, self.skinny_matmul, self.pdl = fused_ops, skinny_matmul, pdl
         if fused_ops:  # imported only when asked for: Triton is not installed everywhere
             from step12_cuda_graph.fused_forward import FusedOpsForward
             from step12_cuda_graph.packed_projections import PackedProjections
 
-            packed = PackedProjections(model, skinny=skinny_matmul)
-            self.make_context = lambda meta, positions: FusedOpsForward(cache, backend, meta, positions, packed)
+            packed = PackedProjections(model, skinny=skinny_matmul, pdl=pdl)
+            self.make_context = lambda meta, positions: FusedOpsForward(cache, backend, meta, positions, packed, pdl)
         self.device = model.device
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
@@ -237,7 +237,8 @@ class DecodeGraphs:
         fused = ""
         if self.fused_ops:
             skinny = ", skinny matrix multiplies" if self.skinny_matmul else ""
-            fused = f", fused ops: packed projections{skinny}, fused element-wise kernels"
+            pdl = ", launched with programmatic dependent launch" if self.pdl else ""
+            fused = f", fused ops: packed projections{skinny}, fused element-wise kernels{pdl}"
         if not self.graphs:
             return f"decode on static buffers, eager (buckets {self.buckets}{fused})"
         return (f"{len(self.graphs)} CUDA graphs (buckets {self.buckets}, greedy and sampling{fused}) captured "

@@ -50,6 +50,9 @@ class CudaGraphEngineConfig(PreemptionEngineConfig):
     # With fused ops, projections of at most 16 rows through our own skinny matrix multiply, not cuBLAS.
     # None: whenever fused ops are on.
     skinny_matmul: bool | None = None
+    # With fused ops, launch their kernels with programmatic dependent launch (`dependent_launch.py`).
+    # None: wherever decode is captured on a GPU that has it (compute capability 9.0 or later).
+    pdl: bool | None = None
     # Launch each decode step before the host turns the previous step's tokens into text (`launch_ahead`).
     # None: on wherever decode is captured (eagerly, on a CPU, there is nothing to overlap).
     overlap: bool | None = None
@@ -72,6 +75,11 @@ class CudaGraphEngine(PreemptionEngine):
         skinny_matmul = fused_ops if config.skinny_matmul is None else config.skinny_matmul
         if skinny_matmul and not fused_ops:
             raise ValueError("--skinny-matmul runs the packed projections of the fused decode path: add --fused-ops")
+        can_pdl = fused_ops and self.supports_pdl(self.device)
+        pdl = can_pdl and self.eager_reason is None if config.pdl is None else config.pdl
+        if pdl and not can_pdl:
+            raise ValueError("--pdl launches the fused decode path's kernels with programmatic dependent launch, "
+                             "which needs --fused-ops and a GPU of compute capability 9.0 or later: drop --pdl")
         self.overlap = self.eager_reason is None if config.overlap is None else config.overlap
         self.ahead: LaunchedDecode | None = None  # launched during this step, for the next one
         self.launched_ahead: LaunchedDecode | None = None  # launched during the last step, for this one
@@ -80,8 +88,13 @@ class CudaGraphEngine(PreemptionEngine):
         if config.cuda_graph:
             self.graphs = DecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
                                        self.max_graph_batch(config), capture=self.eager_reason is None,
-                                       fused_ops=fused_ops, skinny_matmul=skinny_matmul)
+                                       fused_ops=fused_ops, skinny_matmul=skinny_matmul, pdl=pdl)
         print(f"[{type(self).__name__}] decode: {self.graph_status()}", flush=True)  # said at start-up
+
+    @staticmethod
+    def supports_pdl(device: torch.device) -> bool:
+        """Whether kernels on `device` can use programmatic dependent launch (compute capability 9.0 or later)."""
+        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
     @staticmethod
     def max_graph_batch(config: CudaGraphEngineConfig) -> int:

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from step12_cuda_graph.dependent_launch import wait_for_previous_kernel
+
 
 @triton.jit
 def _normalise_row(x, W, OUT, cols, mask, n, eps):
@@ -28,7 +30,8 @@ def _normalise_row(x, W, OUT, cols, mask, n, eps):
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, OUT, stride_x, stride_out, n, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, W, OUT, stride_x, stride_out, n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -36,18 +39,20 @@ def _rms_norm_kernel(X, W, OUT, stride_x, stride_out, n, eps, BLOCK: tl.constexp
     _normalise_row(x, W, OUT + row * stride_out, cols, mask, n, eps)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension of x (any leading shape, last dimension contiguous)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dimension of x (any leading shape, last dimension contiguous). `pdl`: launch
+    with programmatic dependent launch (`dependent_launch.py`)."""
     n = x.shape[-1]
     rows = x.reshape(-1, n)
     out = torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, eps,
-                                       BLOCK=triton.next_power_of_2(n))
+                                       BLOCK=triton.next_power_of_2(n), PDL=pdl, launch_pdl=pdl)
     return out.view(x.shape)
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, UPDATE, W, SUM, OUT, n, eps, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(X, UPDATE, W, SUM, OUT, n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -59,18 +64,20 @@ def _add_rms_norm_kernel(X, UPDATE, W, SUM, OUT, n, eps, BLOCK: tl.constexpr):
     _normalise_row(total.to(tl.float32), W, OUT + row * n, cols, mask, n, eps)
 
 
-def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float
+def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + update, RMSNorm(x + update)) in one launch: x and update [tokens, hidden], contiguous."""
     tokens, n = x.shape
     total, out = torch.empty_like(x), torch.empty_like(x)
-    _add_rms_norm_kernel[(tokens,)](x, update, weight, total, out, n, eps, BLOCK=triton.next_power_of_2(n))
+    _add_rms_norm_kernel[(tokens,)](x, update, weight, total, out, n, eps, BLOCK=triton.next_power_of_2(n),
+                                    PDL=pdl, launch_pdl=pdl)
     return total, out
 
 
 @triton.jit
 def _rope_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
-                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)  # the query heads first, then the key heads
     d = tl.arange(0, HALF)
@@ -92,7 +99,8 @@ def _rope_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, stride_qt, stride_qh, stride_kt, 
     tl.store(dst + HALF + d, (x2 * cos2 + x1 * sin2).to(Q_OUT.dtype.element_ty))
 
 
-def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pdl: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in one launch; cos and sin are
     [tokens, 1, head_dim]. Each head's vector must be contiguous; returns new, contiguous tensors."""
     tokens, heads, head_dim = q.shape
@@ -101,13 +109,14 @@ def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     _rope_kernel[(tokens, heads + kv_heads)](
         q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2,
+        HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2, PDL=pdl, launch_pdl=pdl,
     )
     return q_out, k_out
 
 
 @triton.jit
-def _silu_mul_kernel(GATE, UP, OUT, stride_gate, stride_up, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GATE, UP, OUT, stride_gate, stride_up, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -116,10 +125,11 @@ def _silu_mul_kernel(GATE, UP, OUT, stride_gate, stride_up, n, BLOCK: tl.constex
     tl.store(OUT + row * n + cols, (gate / (1.0 + tl.exp(-gate)) * up).to(OUT.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, block: int = 1024, pdl: bool = False) -> torch.Tensor:
     """silu(gate) * up for gate and up [tokens, n], each row contiguous (the rows may be strided, as in
     slices of one packed projection); returns a new, contiguous tensor."""
     tokens, n = gate.shape
     out = torch.empty((tokens, n), dtype=gate.dtype, device=gate.device)
-    _silu_mul_kernel[(tokens, triton.cdiv(n, block))](gate, up, out, gate.stride(0), up.stride(0), n, BLOCK=block)
+    _silu_mul_kernel[(tokens, triton.cdiv(n, block))](gate, up, out, gate.stride(0), up.stride(0), n, BLOCK=block,
+                                                      PDL=pdl, launch_pdl=pdl)
     return out

@@ -25,7 +25,7 @@ from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, device_limit
 class PackedLinear:
     """Linear layers with one input, as one stacked weight (and bias); `__call__` returns each one's output."""
 
-    def __init__(self, linears: tuple[nn.Linear, ...], skinny: bool = False) -> None:
+    def __init__(self, linears: tuple[nn.Linear, ...], skinny: bool = False, pdl: bool = False) -> None:
         self.sizes = [linear.out_features for linear in linears]
         self.weight = stack_in_place([linear.weight for linear in linears])
         has_bias = [linear.bias is not None for linear in linears]
@@ -36,10 +36,11 @@ class PackedLinear:
         if skinny:
             self.skinny = skinny_config(self.weight.shape[0], self.weight.element_size(),
                                         **device_limits(self.weight.device))
+        self.pdl = pdl  # the skinny kernel launched with programmatic dependent launch
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-            out = skinny_linear(x, self.weight, self.bias, self.skinny)
+            out = skinny_linear(x, self.weight, self.bias, self.skinny, pdl=self.pdl)
         else:
             out = F.linear(x, self.weight, self.bias)
         # The parts come back as column slices of one output: each token's row of a part is contiguous,
@@ -68,16 +69,16 @@ def stack_in_place(parts: list[torch.Tensor]) -> torch.Tensor:
 class PackedProjections:
     """Every layer's q/k/v and gate/up packed, and o, down and the output head as packs of one; looked up by
     the tuple of layers the model asks for. With `skinny`, batches of at most `MAX_ROWS` rows use
-    `skinny_linear`."""
+    `skinny_linear`, launched with programmatic dependent launch if `pdl`."""
 
-    def __init__(self, model: CausalLM, skinny: bool = False) -> None:
+    def __init__(self, model: CausalLM, skinny: bool = False, pdl: bool = False) -> None:
         self.packed: dict[tuple[nn.Linear, ...], PackedLinear] = {}
         for layer in model.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             for linears in ((attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
                             (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)):
-                self.packed[linears] = PackedLinear(linears, skinny)
-        self.packed[(model.lm_head,)] = PackedLinear((model.lm_head,), skinny)
+                self.packed[linears] = PackedLinear(linears, skinny, pdl)
+        self.packed[(model.lm_head,)] = PackedLinear((model.lm_head,), skinny, pdl)
 
     def __call__(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
         packed = self.packed.get(linears)

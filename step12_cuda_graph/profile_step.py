@@ -2,7 +2,7 @@
 
 With graphs, a step lasts as long as the GPU needs for its kernels plus the small gaps between them. For
 each batch size and each variant (plain; `--fused-ops` with cuBLAS; `--fused-ops` with the skinny matrix
-multiply), this script puts that many requests of `--context` tokens in flight on a `CudaGraphEngine` (one
+multiply, without and with programmatic dependent launch), this script puts that many requests of `--context` tokens in flight on a `CudaGraphEngine` (one
 model, loaded once), then measures:
 - the replayed graph's time per step (CUDA events over many replays);
 - the same forward run eagerly under torch.profiler: every kernel's GPU time, summed per step and grouped
@@ -44,8 +44,10 @@ def category_of(kernel: str) -> str:
     return next((c for c, keys in CATEGORIES.items() if any(k in name for k in keys)), "other")
 
 
-VARIANTS = {"plain": {"fused_ops": False}, "fused ops, cuBLAS": {"fused_ops": True, "skinny_matmul": False},
-            "fused ops, skinny matmul": {"fused_ops": True, "skinny_matmul": True}}
+VARIANTS = {"plain": {"fused_ops": False},
+            "fused ops, cuBLAS": {"fused_ops": True, "skinny_matmul": False, "pdl": False},
+            "fused ops, skinny matmul": {"fused_ops": True, "skinny_matmul": True, "pdl": False},
+            "fused ops, skinny matmul, PDL": {"fused_ops": True, "skinny_matmul": True, "pdl": True}}
 
 
 def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, steps: int, variant: str) -> dict:

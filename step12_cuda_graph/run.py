@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     graphs.add_argument("--skinny-matmul", action=argparse.BooleanOptionalAction, default=None,
                         help="with --fused-ops, run projections of at most 16 rows through our own matrix multiply "
                              "instead of cuBLAS (default: whenever fused ops are on)")
+    graphs.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --fused-ops, launch their kernels with programmatic dependent launch "
+                             "(default: wherever decode is captured on a GPU of compute capability 9.0 or later)")
     graphs.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                         help="launch each decode step before the host has processed the previous one's tokens "
                              "(default: on wherever decode is captured as graphs)")

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from step12_cuda_graph.dependent_launch import wait_for_previous_kernel
+
 MAX_ROWS = 16  # the rows of one tile, the most the kernel takes; larger batches keep cuBLAS (not measured)
 
 
@@ -70,7 +72,8 @@ def device_limits(device: torch.device) -> dict[str, int]:
 @triton.jit
 def _skinny_matmul_kernel(X, W, BIAS, OUT, M, N, K, stride_xm, stride_wn, stride_om,
                           HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -94,8 +97,9 @@ def _skinny_matmul_kernel(X, W, BIAS, OUT, M, N, K, stride_xm, stride_wn, stride
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig = SkinnyConfig()) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [rows <= MAX_ROWS, K] with contiguous rows and a contiguous weight."""
+                  config: SkinnyConfig = SkinnyConfig(), pdl: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [rows <= MAX_ROWS, K] with contiguous rows and a contiguous weight.
+    `pdl`: launch with programmatic dependent launch (`dependent_launch.py`)."""
     rows, k = x.shape
     n = weight.shape[0]
     if rows > MAX_ROWS:
@@ -107,6 +111,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl, launch_pdl=pdl,
     )
     return out

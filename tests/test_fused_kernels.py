@@ -102,3 +102,28 @@ def test_fused_ops_need_the_graph_path() -> None:
     with pytest.raises(ValueError, match="drop --no-cuda-graph"):
         CudaGraphEngine(load_model("tiny-llama"), CudaGraphEngineConfig(device="cpu", num_blocks=8,
                                                                         cuda_graph=False, fused_ops=True))
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a GPU of compute capability 9.0 or later (none here)")
+def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
+    """A chain where each kernel reads the output of the one launched just before it: with programmatic
+    dependent launch every kernel must wait for its predecessor, so the results are bit for bit those of
+    ordinary launches."""
+    from step12_cuda_graph.skinny_matmul import skinny_linear
+
+    x = torch.randn(8, 3584, device=DEVICE, dtype=torch.bfloat16)
+    update = torch.randn_like(x)
+    norm_weight = torch.rand(3584, device=DEVICE, dtype=torch.bfloat16) + 0.5
+    weight = torch.randn(4096, 3584, device=DEVICE, dtype=torch.bfloat16) * 3584**-0.5
+
+    def chain(pdl: bool) -> list[torch.Tensor]:
+        total, normed = fused_kernels.add_rms_norm(x, update, norm_weight, 1e-6, pdl=pdl)
+        projected = skinny_linear(normed, weight, pdl=pdl)
+        gated = fused_kernels.silu_mul(projected[:, :2048], projected[:, 2048:], pdl=pdl)
+        return [total, normed, projected, gated, fused_kernels.rms_norm(gated, norm_weight[:2048], 1e-6, pdl=pdl)]
+
+    expected = chain(pdl=False)
+    for _ in range(3):
+        for got, want in zip(chain(pdl=True), expected, strict=True):
+            assert torch.equal(got, want)
