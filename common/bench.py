@@ -245,12 +245,18 @@ def evidence_header(device: torch.device, model: str, dtype: torch.dtype, **sett
     }
 
 
-def write_evidence(path: str | Path, header: dict[str, Any], runs: Sequence[RunMetrics], workloads: Sequence[Workload]) -> Path:
+def write_json(path: str | Path, doc: Any) -> Path:
+    """Write an evidence document (its folder made if needed) and say where; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {**header, "workloads": [w.describe() for w in workloads], "runs": [asdict(r) for r in runs]}
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    path.write_text(json.dumps(doc, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
     return path
+
+
+def write_evidence(path: str | Path, header: dict[str, Any], runs: Sequence[RunMetrics], workloads: Sequence[Workload]) -> Path:
+    doc = {**header, "workloads": [w.describe() for w in workloads], "runs": [asdict(r) for r in runs]}
+    return write_json(path, doc)
 
 
 def format_table(runs: Sequence[RunMetrics]) -> str:

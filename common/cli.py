@@ -11,7 +11,6 @@ A step with its own switches passes `add_arguments` and an engine whose `config_
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from common.bench import (
     run_engine,
     run_hf_generate,
     write_evidence,
+    write_json,
 )
 from common.checks import check_against_reference, staggered_generate
 from common.config import TINY_ARCHES
@@ -134,9 +134,7 @@ def run_prompts(engine_class: type[Engine], args: argparse.Namespace) -> int:
             {"prompt": p, "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason.value}
             for p, c in zip(prompts, completions)
         ]
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps(rows, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.output_json}")
+        write_json(args.output_json, rows)
     if args.temperature > 0 or args.no_check:
         print("parity check not run (sampling, or --no-check)")
         return 0
@@ -192,5 +190,5 @@ def bench(engine_class: type[Engine], step_name: str, args: argparse.Namespace) 
     output = args.bench_output or Path("results") / step_name / (
         f"bench-{engine.device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
     )
-    print(f"wrote {write_evidence(output, header, runs, workloads)}")
+    write_evidence(output, header, runs, workloads)
     return 0

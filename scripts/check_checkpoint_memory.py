@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from common.bench import evidence_header
+from common.bench import evidence_header, write_json
 from common.loading import EMBEDDED_MODEL, cache_dir, load_model
 
 SHARD_BYTES = 5 * 2**30
@@ -65,7 +65,7 @@ def main() -> None:
         "peak_allocated_bytes": peak,
         "peak_over_weights": peak / weight_bytes,
     }
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.output, result)
     print(f"weights {weight_bytes / 1e9:.2f} GB, peak allocated while loading {peak / 1e9:.2f} GB "
           f"({peak / weight_bytes:.3f}x the weights)")
 

@@ -15,7 +15,6 @@ bandwidth is measured in the same run, as the ceiling. Writes JSON evidence.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.bench import evidence_header
+from common.bench import evidence_header, write_json
 from common.config import load_bundled_config
 from step06_paged_attention import triton_kernels
 from step06_paged_attention.backends import TritonBackend
@@ -189,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"batch {batch:3d} context {context:5d}: WRONG (max abs error {row['max_abs_error']:.3g}), not timed")
             rows.append(row)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(header | {"points": rows}, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_json(args.output, header | {"points": rows})
     return 0 if all(r["correct"] for r in rows) else 1
 
 

@@ -12,13 +12,12 @@ layer. Writes JSON evidence.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 
 import torch
 
-from common.bench import Workload, evidence_header, nanovllm_workload, run_engine
+from common.bench import Workload, evidence_header, nanovllm_workload, run_engine, write_json
 from common.loading import EMBEDDED_MODEL, load_model
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step07_preemption.swap import Swapper
@@ -79,9 +78,7 @@ def main() -> int:
     device = loaded.model.device
     output = args.output or Path("results/step07_preemption") / (
         f"preempt-{device.type}-{args.model.replace(':', '-').replace('/', '-')}.json")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(header | {"runs": runs, "swap_bandwidth": swap}, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_json(output, header | {"runs": runs, "swap_bandwidth": swap})
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return 0

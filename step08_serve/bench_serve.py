@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -25,7 +24,7 @@ from pathlib import Path
 import httpx
 from openai import AsyncOpenAI
 
-from common.bench import Workload, evidence_header, fixed_workload, run_engine
+from common.bench import Workload, evidence_header, fixed_workload, run_engine, write_json
 from common.loading import EMBEDDED_MODEL
 from step08_serve.launcher import DEFAULT_STEP, STEPS, free_port
 
@@ -157,9 +156,7 @@ def main() -> int:
         row["server_vs_direct"] = row["output_tok_per_s"] / d["output_tok_per_s"]
     doc = header | {"runs": served}
     output = args.output or Path("results/step08_serve") / f"serve-{device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_json(output, doc)
     return 0
 
 

@@ -12,7 +12,6 @@ timed apart (the forward is wrapped), at several batch sizes with long prompts. 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from collections import defaultdict
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common.bench import evidence_header
+from common.bench import evidence_header, write_json
 from common.loading import load_model
 from common.sampling import SamplingParams
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
@@ -82,9 +81,7 @@ def main() -> int:
         rows.append({"batch": batch, "ms_per_step": per_step})
         parts = ", ".join(f"{name} {ms:.2f}" for name, ms in per_step.items())
         print(f"batch {batch}: ms per step: {parts}", flush=True)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(header | {"rows": rows}, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_json(args.output, header | {"rows": rows})
     return 0
 
 

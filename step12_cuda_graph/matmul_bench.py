@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from common.bench import evidence_header
+from common.bench import evidence_header, write_json
 from common.config import ModelConfig, load_bundled_config
 from step06_paged_attention.kernel_bench import copy_bandwidth_gbs, timed_ms
 from step12_cuda_graph.skinny_matmul import SkinnyConfig, skinny_linear
@@ -106,10 +105,8 @@ def main() -> int:
     shapes = {}
     for name, (n, k, has_bias) in projection_shapes(config).items():
         shapes[name] = bench_shape(n, k, has_bias, rows_tried, GRID, dtype, args.repeats)
-    output = args.output or Path("results/step12_cuda_graph") / f"matmul-bench-cuda-{args.config}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(header | {"shapes": shapes}, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_json(args.output or Path("results/step12_cuda_graph") / f"matmul-bench-cuda-{args.config}.json",
+               header | {"shapes": shapes})
     return 0
 
 

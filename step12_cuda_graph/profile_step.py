@@ -17,7 +17,6 @@ Writes JSON evidence.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common.bench import evidence_header
+from common.bench import evidence_header, write_json
 from common.config import weight_params_per_decode_step
 from common.loading import LoadedModel, load_model
 from common.sampling import SamplingParams
@@ -135,11 +134,8 @@ def main() -> int:
                 print(f"  {name:30s} {ms:7.3f} ms")
             for k in point["top_kernels"][:8]:
                 print(f"  {k['ms_per_step']:7.3f} ms  x{k['calls_per_step']:5.0f}  {k['name'][:90]}")
-    output = args.output or Path("results/step12_cuda_graph") / (
-        f"profile-cuda-{args.model.replace(':', '-').replace('/', '-')}.json")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(header | {"points": points}, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_json(args.output or Path("results/step12_cuda_graph") / (
+        f"profile-cuda-{args.model.replace(':', '-').replace('/', '-')}.json"), header | {"points": points})
     return 0
 
 

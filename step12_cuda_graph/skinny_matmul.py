@@ -16,6 +16,7 @@ On a machine without a GPU, set TRITON_INTERPRET=1 to run it on CPU tensors (the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -61,6 +62,7 @@ def skinny_config(n: int, element_size: int = 2, multiprocessors: int = 132, sha
     return SkinnyConfig(config.block_n, block_k, config.num_warps, stages)
 
 
+@cache  # asked once per projection at start-up (113 for a 28-layer model); the device does not change
 def device_limits(device: torch.device) -> dict[str, int]:
     """The multiprocessor count and shared memory per program that `skinny_config` plans for."""
     if device.type != "cuda":
