@@ -78,7 +78,7 @@ def device_limits(device: torch.device) -> dict[str, int]:
 
 
 @triton.jit
-def _skinny_matmul_kernel(X, X_AGAIN, W, BIAS, NORM_W, RESIDUAL, OUT, M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
+def _skinny_matmul_kernel(X, W, BIAS, NORM_W, RESIDUAL, OUT, M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
                           eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                           ADD_RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -96,10 +96,9 @@ def _skinny_matmul_kernel(X, X_AGAIN, W, BIAS, NORM_W, RESIDUAL, OUT, M, N, K, s
         x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if NORM:  # RMSNorm's weight scales x's columns here; its 1/rms scales the rows once K is done
-            # The squares come from a second load of the tile (from cache), through a second pointer to the
-            # same rows (from the same pointer the compiler merges the loads): squaring the very tile that
-            # feeds tl.dot made gate/up take 2.5 times as long on the H200.
-            again = tl.load(X_AGAIN + rows[:, None] * stride_xm + (k0 + ks)[None, :],
+            # The squares come from a second load of the tile (from cache): squaring the tile that feeds
+            # tl.dot made gate/up take 2.5 times as long on the H200.
+            again = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :],
                             mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             squares += again * again
             scale = tl.load(NORM_W + k0 + ks, mask=k_mask, other=0.0).to(tl.float32)
@@ -159,7 +158,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"the residual must be [{rows}, {n}] with contiguous rows, got {tuple(residual.shape)}")
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     _skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
-        x, x, weight, bias if bias is not None else weight, norm.weight if norm is not None else weight,
+        x, weight, bias if bias is not None else weight, norm.weight if norm is not None else weight,
         residual if residual is not None else out, out, rows, n, k, x.stride(0), weight.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), norm.eps if norm is not None else 0.0,
         HAS_BIAS=bias is not None, NORM=norm is not None, GATED=gated, ADD_RESIDUAL=residual is not None,
