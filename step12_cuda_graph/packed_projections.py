@@ -27,7 +27,7 @@ class PackedLinear:
     """Linear layers with one input, as one stacked weight (and bias); `__call__` returns each one's output.
 
     The RMSNorm before the projection and the residual add after it come with it: up to `MAX_ROWS` rows, in
-    the skinny kernel's own launch; past that, as a norm kernel before cuBLAS and an add after it."""
+    the skinny kernel's own launch; past that, as a norm kernel before cuBLAS and an add inside cuBLAS's."""
 
     def __init__(self, linears: tuple[nn.Linear, ...], skinny: bool = False, pdl: bool = False) -> None:
         self.sizes = [linear.out_features for linear in linears]
@@ -57,8 +57,11 @@ class PackedLinear:
         else:
             if norm is not None:
                 x = fused_kernels.rms_norm(x, norm.weight, norm.eps, pdl=self.pdl)
-            out = F.linear(x, self.weight, self.bias)
-            out = out if residual is None else residual + out
+            if residual is not None and self.bias is None:
+                out = torch.addmm(residual, x, self.weight.t())  # cuBLAS adds the residual as it writes
+            else:
+                out = F.linear(x, self.weight, self.bias)
+                out = out if residual is None else residual + out
         # The parts come back as column slices of one output: each token's row of a part is contiguous,
         # consecutive tokens are a packed row apart. The kernels that read them take that stride.
         return out.split(self.sizes, dim=-1)
