@@ -8,9 +8,8 @@ for these shapes: on Qwen2.5-7B's gate/up weight (37888 x 3584) its kernel is na
 reduce the parts. Here each program owns a narrow band of output columns (`block_n`) over the whole of K,
 the bands sized so that every multiprocessor streams its share until the end (`skinny_config`). Since each
 program reads the whole of its input rows, the work on either side of the projection comes in the same
-launch: the RMSNorm before it; the bias, the gated activation or the residual add after it. The rows are
-padded to 16 inside the kernel (the smallest tile a tensor-core `tl.dot` takes); the padding is never loaded
-from memory.
+launch: the RMSNorm before it, the bias, the gated activation or the residual add after it. The rows are padded to 16 inside the kernel (the
+smallest tile a tensor-core `tl.dot` takes); the padding is never loaded from memory.
 
 On a machine without a GPU, set TRITON_INTERPRET=1 to run it on CPU tensors (the tests do).
 """
@@ -51,21 +50,21 @@ def skinny_config(n: int, element_size: int = 2, multiprocessors: int = 132, sha
     (gate/up, the output head) makes many waves anyway: shallower pipelines, two programs per multiprocessor.
     Stages are dropped where they would not fit in a device's shared memory (float32 weights, smaller GPUs).
     `gated` (gate and up stacked, n rows in all, multiplied as one): each program reads a band of each half,
-    twice the weight rows of one band, with the same band width (narrower bands measured slower)."""
+    half as wide, so that it streams as many weight rows as the measured setting."""
     if n <= 32 * multiprocessors:
         config = SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
     elif n <= 64 * multiprocessors:
         config = SkinnyConfig(block_n=64, block_k=256, num_warps=4, num_stages=5)
     else:
         config = SkinnyConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
-    weight_rows = config.block_n * (2 if gated else 1)
+    block_n = config.block_n // 2 if gated else config.block_n
     block_k, stages = config.block_k, config.num_stages
-    while stages * (MAX_ROWS + weight_rows) * block_k * element_size > shared_memory:  # an x and weight tiles
+    while stages * (MAX_ROWS + config.block_n) * block_k * element_size > shared_memory:  # an x and weight tiles
         if stages > 2:
             stages -= 1
         else:
             block_k //= 2
-    return SkinnyConfig(config.block_n, block_k, config.num_warps, stages)
+    return SkinnyConfig(block_n, block_k, config.num_warps, stages)
 
 
 @cache  # asked once per projection at start-up (113 for a 28-layer model); the device does not change
@@ -90,16 +89,14 @@ def _skinny_matmul_kernel(X, W, BIAS, NORM_W, RESIDUAL, OUT, M, N, K, stride_xm,
     col_mask = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up projection's band, N rows further
-    # NORM: each row's squares, summed across the tile only once K is done (a sum across threads in every
-    # iteration made gate/up take 2.4 times as long on the H200)
-    squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)  # NORM: each row's sum of squares, gathered on the way
     for k0 in range(0, K, BLOCK_K):
         k_mask = k0 + ks < K
         x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if NORM:  # RMSNorm's weight scales x's columns here; its 1/rms scales the rows once K is done
             x32 = x.to(tl.float32)
-            squares += x32 * x32
+            squares += tl.sum(x32 * x32, axis=1)
             scale = tl.load(NORM_W + k0 + ks, mask=k_mask, other=0.0).to(tl.float32)
             x = (x32 * scale[None, :]).to(X.dtype.element_ty)
         w = tl.load(W + cols[:, None] * stride_wn + (k0 + ks)[None, :],
@@ -110,7 +107,7 @@ def _skinny_matmul_kernel(X, W, BIAS, NORM_W, RESIDUAL, OUT, M, N, K, stride_xm,
                            mask=col_mask[:, None] & k_mask[None, :], other=0.0)
             acc_up += _dot(x, w_up, IEEE)
     if NORM:
-        inverse_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
+        inverse_rms = tl.rsqrt(squares / K + eps)[:, None]
         acc *= inverse_rms
         acc_up *= inverse_rms
     if HAS_BIAS:
