@@ -1,10 +1,9 @@
 """Step 06's paged-attention context with fewer, larger kernels per layer (`--fused-ops`).
 
-The model asks its forward context for its projections (each with the RMSNorm before it or the residual add
-after it), the gated activation, the heads' RMSNorm and RoPE (`common/model.py`); the defaults are plain
-PyTorch. This context answers with one matrix multiply for the projections that share an input, the norm,
-add and activation folded into it at small batch sizes (`packed_projections.py`), and one Triton kernel for
-each element-wise chain left (`fused_kernels.py`), for the decode graphs.
+The model asks its forward context for its projections, RMSNorm, RoPE and the gated activation
+(`common/model.py`); the defaults are plain PyTorch. This context answers with one matrix multiply for the
+projections that share an input (`packed_projections.py`) and one Triton kernel for each element-wise
+chain (`fused_kernels.py`), for the decode graphs.
 """
 
 from __future__ import annotations
@@ -27,16 +26,18 @@ class FusedOpsForward(PagedAttentionForward):
         self.packed = packed
         self.pdl = pdl  # launch the element-wise kernels with programmatic dependent launch
 
-    def project(self, x: torch.Tensor, projections: tuple[nn.Linear, ...], norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        return self.packed[projections](x, norm, residual)
-
-    def gated_activation(self, x: torch.Tensor, norm: RMSNorm, gate: nn.Linear, up: nn.Linear) -> torch.Tensor:
-        return self.packed[gate, up].gated(x, norm)
+    def project(self, x: torch.Tensor, projections: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+        return self.packed(x, projections)
 
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return fused_kernels.rms_norm(x, norm.weight, norm.eps, pdl=self.pdl)
 
+    def add_rms_norm(self, norm: RMSNorm, x: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_kernels.add_rms_norm(x, update, norm.weight, norm.eps, pdl=self.pdl)
+
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         return fused_kernels.rotate(q, k, cos, sin, pdl=self.pdl)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return fused_kernels.silu_mul(gate, up, pdl=self.pdl)

@@ -1,13 +1,11 @@
 """The element-wise chains of a decoder layer, each as one Triton kernel instead of several PyTorch ones.
 
-In PyTorch an RMSNorm is about eight kernels (cast, square, mean, add, rsqrt, multiply, cast, scale), RoPE
-about five per tensor (slice, negate, concatenate, two multiplies, add), and the gated activation two. Each kernel reads and writes the whole activation and, even replayed from a CUDA
+In PyTorch an RMSNorm is about eight kernels (cast, square, mean, add, rsqrt, multiply, cast, scale), nine
+with the residual add before it, RoPE about five per tensor (slice, negate, concatenate, two multiplies, add),
+and the gated activation two. Each kernel reads and writes the whole activation and, even replayed from a CUDA
 graph, pays a fixed cost of a few microseconds; a 7B model runs these chains 28 times per step. Here each
 chain is one kernel that reads its inputs once, computes in float32 and writes once. Rounding happens once at
 the end instead of after every operation, so in bfloat16 results can differ from PyTorch's in the last bit.
-
-Up to 16 rows, the norm before each projection and the gated activation run inside the skinny matrix
-multiply instead (`skinny_matmul.py`); these kernels serve larger batches, and the per-head norms of q and k.
 
 On a machine without a GPU, set TRITON_INTERPRET=1 to run them on CPU tensors (the tests do).
 """
@@ -50,6 +48,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = Fals
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, eps,
                                        BLOCK=triton.next_power_of_2(n), PDL=pdl, launch_pdl=pdl)
     return out.view(x.shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(X, UPDATE, W, SUM, OUT, n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(X + row * n + cols, mask=mask, other=0.0)
+    update = tl.load(UPDATE + row * n + cols, mask=mask, other=0.0)
+    # The sum is rounded to the model's dtype before it is normalised, as `x + update` in PyTorch is.
+    total = (x.to(tl.float32) + update.to(tl.float32)).to(SUM.dtype.element_ty)
+    tl.store(SUM + row * n + cols, total, mask=mask)
+    _normalise_row(total.to(tl.float32), W, OUT + row * n, cols, mask, n, eps)
+
+
+def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + update, RMSNorm(x + update)) in one launch: x and update [tokens, hidden], contiguous."""
+    tokens, n = x.shape
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_norm_kernel[(tokens,)](x, update, weight, total, out, n, eps, BLOCK=triton.next_power_of_2(n),
+                                    PDL=pdl, launch_pdl=pdl)
+    return total, out
 
 
 @triton.jit

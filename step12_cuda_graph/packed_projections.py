@@ -18,16 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model import CausalLM, RMSNorm
-from step12_cuda_graph import fused_kernels
+from common.model import CausalLM
 from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, device_limits, skinny_config, skinny_linear
 
 
 class PackedLinear:
-    """Linear layers with one input, as one stacked weight (and bias); `__call__` returns each one's output.
-
-    The RMSNorm before the projection and the residual add after it come with it: up to `MAX_ROWS` rows, in
-    the skinny kernel's own launch; past that, as a norm kernel before cuBLAS and an add inside cuBLAS's."""
+    """Linear layers with one input, as one stacked weight (and bias); `__call__` returns each one's output."""
 
     def __init__(self, linears: tuple[nn.Linear, ...], skinny: bool = False, pdl: bool = False) -> None:
         self.sizes = [linear.out_features for linear in linears]
@@ -37,41 +33,19 @@ class PackedLinear:
             raise ValueError("a packed projection needs a bias on every part or on none")
         self.bias = stack_in_place([linear.bias for linear in linears]) if all(has_bias) else None
         self.skinny: SkinnyConfig | None = None
-        self.skinny_gated: SkinnyConfig | None = None  # for a gate and up pair, multiplied as one
         if skinny:
-            limits = device_limits(self.weight.device)
-            self.skinny = skinny_config(self.weight.shape[0], self.weight.element_size(), **limits)
-            if len(self.sizes) == 2 and self.sizes[0] == self.sizes[1] and self.bias is None:
-                self.skinny_gated = skinny_config(self.weight.shape[0], self.weight.element_size(), **limits,
-                                                  gated=True)
-        self.pdl = pdl  # the Triton kernels launched with programmatic dependent launch
+            self.skinny = skinny_config(self.weight.shape[0], self.weight.element_size(),
+                                        **device_limits(self.weight.device))
+        self.pdl = pdl  # the skinny kernel launched with programmatic dependent launch
 
-    def runs_skinny(self, x: torch.Tensor) -> bool:
-        return self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS
-
-    def __call__(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, ...]:
-        """Each part's projection of x, or of norm(x); with `residual` (a pack of one), residual plus it."""
-        if self.runs_skinny(x):
-            out = skinny_linear(x, self.weight, self.bias, self.skinny, self.pdl, norm=norm, residual=residual)
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
+            out = skinny_linear(x, self.weight, self.bias, self.skinny, pdl=self.pdl)
         else:
-            if norm is not None:
-                x = fused_kernels.rms_norm(x, norm.weight, norm.eps, pdl=self.pdl)
-            if residual is not None and self.bias is None:
-                out = torch.addmm(residual, x, self.weight.t())  # cuBLAS adds the residual as it writes
-            else:
-                out = F.linear(x, self.weight, self.bias)
-                out = out if residual is None else residual + out
+            out = F.linear(x, self.weight, self.bias)
         # The parts come back as column slices of one output: each token's row of a part is contiguous,
         # consecutive tokens are a packed row apart. The kernels that read them take that stride.
         return out.split(self.sizes, dim=-1)
-
-    def gated(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """silu(gate(norm(x))) * up(norm(x)) for a pack of gate and up."""
-        if self.skinny_gated is not None and self.runs_skinny(x):
-            return skinny_linear(x, self.weight, None, self.skinny_gated, self.pdl, norm=norm, gated=True)
-        gate, up = self(x, norm)
-        return fused_kernels.silu_mul(gate, up, pdl=self.pdl)
 
 
 def stack_in_place(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -95,7 +69,7 @@ def stack_in_place(parts: list[torch.Tensor]) -> torch.Tensor:
 class PackedProjections:
     """Every layer's q/k/v and gate/up packed, and o, down and the output head as packs of one; looked up by
     the tuple of layers the model asks for. With `skinny`, batches of at most `MAX_ROWS` rows use
-    `skinny_linear`; `pdl` launches the Triton kernels with programmatic dependent launch."""
+    `skinny_linear`, launched with programmatic dependent launch if `pdl`."""
 
     def __init__(self, model: CausalLM, skinny: bool = False, pdl: bool = False) -> None:
         self.packed: dict[tuple[nn.Linear, ...], PackedLinear] = {}
@@ -106,9 +80,6 @@ class PackedProjections:
                 self.packed[linears] = PackedLinear(linears, skinny, pdl)
         self.packed[(model.lm_head,)] = PackedLinear((model.lm_head,), skinny, pdl)
 
-    def __getitem__(self, linears: tuple[nn.Linear, ...]) -> PackedLinear:
+    def __call__(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
         packed = self.packed.get(linears)
-        if packed is None:
-            raise KeyError("these layers are not a group of the model that was packed: pack them with "
-                           "PackedProjections(model) for the model they belong to")
-        return packed
+        return packed(x) if packed is not None else tuple(linear(x) for linear in linears)

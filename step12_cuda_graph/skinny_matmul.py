@@ -6,9 +6,8 @@ GPU's streaming multiprocessors (132 on an H200) keep loads in flight until the 
 for these shapes: on Qwen2.5-7B's gate/up weight (37888 x 3584) its kernel is named for tiles of 384 x 8,
 99 of them for 132 multiprocessors, and the smaller projections get split along K with a second kernel to
 reduce the parts. Here each program owns a narrow band of output columns (`block_n`) over the whole of K,
-the bands sized so that every multiprocessor streams its share until the end (`skinny_config`). Since each
-program reads the whole of its input rows, the work on either side of the projection comes in the same
-launch: the RMSNorm before it, the bias, the gated activation or the residual add after it. The rows are padded to 16 inside the kernel (the
+the bands sized so that every multiprocessor streams its share until the end (`skinny_config`), and one
+launch per projection adds the bias in the same pass. The rows are padded to 16 inside the kernel (the
 smallest tile a tensor-core `tl.dot` takes); the padding is never loaded from memory.
 
 On a machine without a GPU, set TRITON_INTERPRET=1 to run it on CPU tensors (the tests do).
@@ -23,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from common.model import RMSNorm
 from step12_cuda_graph.dependent_launch import wait_for_previous_kernel
 
 MAX_ROWS = 16  # the rows of one tile, the most the kernel takes; larger batches keep cuBLAS (not measured)
@@ -39,8 +37,8 @@ class SkinnyConfig:
     num_stages: int = 4
 
 
-def skinny_config(n: int, element_size: int = 2, multiprocessors: int = 132, shared_memory: int = 227 * 1024,
-                  gated: bool = False) -> SkinnyConfig:
+def skinny_config(n: int, element_size: int = 2, multiprocessors: int = 132, shared_memory: int = 227 * 1024
+                  ) -> SkinnyConfig:
     """Launch settings for a weight of n output features, from `matmul_bench.py` on the H200.
 
     A pipeline deep enough to keep a multiprocessor's loads in flight fills most of its shared memory, so
@@ -48,23 +46,20 @@ def skinny_config(n: int, element_size: int = 2, multiprocessors: int = 132, sha
     is best cut into bands just narrow enough that every program runs at once, in one wave: 32 features,
     or 64 where 32 would make more programs than multiprocessors (q/k/v: 4608). A weight with many
     (gate/up, the output head) makes many waves anyway: shallower pipelines, two programs per multiprocessor.
-    Stages are dropped where they would not fit in a device's shared memory (float32 weights, smaller GPUs).
-    `gated` (gate and up stacked, n rows in all, multiplied as one): each program reads a band of each half,
-    half as wide, so that it streams as many weight rows as the measured setting."""
+    Stages are dropped where they would not fit in a device's shared memory (float32 weights, smaller GPUs)."""
     if n <= 32 * multiprocessors:
         config = SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
     elif n <= 64 * multiprocessors:
         config = SkinnyConfig(block_n=64, block_k=256, num_warps=4, num_stages=5)
     else:
         config = SkinnyConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
-    block_n = config.block_n // 2 if gated else config.block_n
     block_k, stages = config.block_k, config.num_stages
-    while stages * (MAX_ROWS + config.block_n) * block_k * element_size > shared_memory:  # an x and weight tiles
+    while stages * (MAX_ROWS + config.block_n) * block_k * element_size > shared_memory:  # an x and a weight tile
         if stages > 2:
             stages -= 1
         else:
             block_k //= 2
-    return SkinnyConfig(block_n, block_k, config.num_warps, stages)
+    return SkinnyConfig(config.block_n, block_k, config.num_warps, stages)
 
 
 @cache  # asked once per projection at start-up (113 for a 28-layer model); the device does not change
@@ -77,9 +72,8 @@ def device_limits(device: torch.device) -> dict[str, int]:
 
 
 @triton.jit
-def _skinny_matmul_kernel(X, W, BIAS, NORM_W, RESIDUAL, OUT, M, N, K, stride_xm, stride_wn, stride_rm, stride_om,
-                          eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-                          ADD_RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
+def _skinny_matmul_kernel(X, W, BIAS, OUT, M, N, K, stride_xm, stride_wn, stride_om,
+                          HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
@@ -88,77 +82,37 @@ def _skinny_matmul_kernel(X, W, BIAS, NORM_W, RESIDUAL, OUT, M, N, K, stride_xm,
     row_mask = rows < M
     col_mask = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # GATED: the up projection's band, N rows further
-    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)  # NORM: each row's sum of squares, gathered on the way
     for k0 in range(0, K, BLOCK_K):
         k_mask = k0 + ks < K
         x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if NORM:  # RMSNorm's weight scales x's columns here; its 1/rms scales the rows once K is done
-            x32 = x.to(tl.float32)
-            squares += tl.sum(x32 * x32, axis=1)
-            scale = tl.load(NORM_W + k0 + ks, mask=k_mask, other=0.0).to(tl.float32)
-            x = (x32 * scale[None, :]).to(X.dtype.element_ty)
         w = tl.load(W + cols[:, None] * stride_wn + (k0 + ks)[None, :],
                     mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += _dot(x, w, IEEE)
-        if GATED:
-            w_up = tl.load(W + (N + cols)[:, None] * stride_wn + (k0 + ks)[None, :],
-                           mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-            acc_up += _dot(x, w_up, IEEE)
-    if NORM:
-        inverse_rms = tl.rsqrt(squares / K + eps)[:, None]
-        acc *= inverse_rms
-        acc_up *= inverse_rms
+        if IEEE:  # float32 models: full-precision products, as cuBLAS gives them (no TF32)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if GATED:  # silu(gate) * up, each rounded to the model's dtype first as the separate projections would be
-        gate = acc.to(OUT.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(OUT.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * up
-    mask = row_mask[:, None] & col_mask[None, :]
-    if ADD_RESIDUAL:  # the residual stream plus this projection, rounded as `residual + projection` would be
-        residual = tl.load(RESIDUAL + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
-        acc = acc.to(OUT.dtype.element_ty).to(tl.float32) + residual.to(tl.float32)
-    tl.store(OUT + rows[:, None] * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _dot(x, w, IEEE: tl.constexpr):
-    """x [rows, k] times w [cols, k] transposed, in float32."""
-    if IEEE:  # float32 models: full-precision products, as cuBLAS gives them (no TF32)
-        return tl.dot(x, tl.trans(w), input_precision="ieee")
-    return tl.dot(x, tl.trans(w))
+    tl.store(OUT + rows[:, None] * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig = SkinnyConfig(), pdl: bool = False, norm: RMSNorm | None = None,
-                  gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [rows <= MAX_ROWS, K] with contiguous rows and a contiguous weight,
-    with what comes before and after it folded in:
-
-    - `norm`: the projection of norm(x), not x (RMSNorm, `common/model.py`);
-    - `gated`: weight is gate and up stacked (2n rows, no bias); returns silu(x gate^T) * (x up^T), [rows, n];
-    - `residual` [rows, n]: returns residual + the projection (the residual stream after this layer's part).
-
+                  config: SkinnyConfig = SkinnyConfig(), pdl: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [rows <= MAX_ROWS, K] with contiguous rows and a contiguous weight.
     `pdl`: launch with programmatic dependent launch (`dependent_launch.py`)."""
     rows, k = x.shape
-    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    n = weight.shape[0]
     if rows > MAX_ROWS:
         raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {rows}: use F.linear")
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("skinny_linear needs x's rows and the weight contiguous")
-    if gated and (bias is not None or weight.shape[0] % 2):
-        raise ValueError("a gated skinny_linear takes gate and up stacked, of equal size and without bias")
-    if residual is not None and (residual.shape != (rows, n) or residual.stride(1) != 1):
-        raise ValueError(f"the residual must be [{rows}, {n}] with contiguous rows, got {tuple(residual.shape)}")
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     _skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, bias if bias is not None else weight, norm.weight if norm is not None else weight,
-        residual if residual is not None else out, out, rows, n, k, x.stride(0), weight.stride(0),
-        residual.stride(0) if residual is not None else 0, out.stride(0), norm.eps if norm is not None else 0.0,
-        HAS_BIAS=bias is not None, NORM=norm is not None, GATED=gated, ADD_RESIDUAL=residual is not None,
-        IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl, launch_pdl=pdl,
     )
     return out

@@ -41,6 +41,17 @@ def test_rms_norm(dtype: torch.dtype, shape: tuple[int, ...] | str) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm(dtype: torch.dtype) -> None:
+    norm = RMSNorm(96, 1e-6).to(DEVICE, dtype)
+    norm.weight.data.normal_(1.0, 0.1)
+    x = torch.randn(5, 96, device=DEVICE, dtype=dtype) * 3
+    update = torch.randn_like(x)
+    total, normed = fused_kernels.add_rms_norm(x, update, norm.weight, norm.eps)
+    assert torch.equal(total, x + update)  # one rounding of an exact float32 sum: the same as PyTorch's
+    torch.testing.assert_close(normed, norm(x + update), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("packed", [False, True])
 def test_rotate_matches_apply_rope(dtype: torch.dtype, packed: bool) -> None:
     config = tiny_config("qwen2")
@@ -102,19 +113,15 @@ def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
     from step12_cuda_graph.skinny_matmul import skinny_linear
 
     x = torch.randn(8, 3584, device=DEVICE, dtype=torch.bfloat16)
-    norm = RMSNorm(3584, 1e-6).to(DEVICE, torch.bfloat16)
-    norm.weight.data = torch.rand(3584, device=DEVICE, dtype=torch.bfloat16) + 0.5
+    update = torch.randn_like(x)
+    norm_weight = torch.rand(3584, device=DEVICE, dtype=torch.bfloat16) + 0.5
     weight = torch.randn(4096, 3584, device=DEVICE, dtype=torch.bfloat16) * 3584**-0.5
-    down = torch.randn(3584, 2048, device=DEVICE, dtype=torch.bfloat16) * 2048**-0.5
 
     def chain(pdl: bool) -> list[torch.Tensor]:
-        normed = fused_kernels.rms_norm(x, norm.weight, norm.eps, pdl=pdl)
+        total, normed = fused_kernels.add_rms_norm(x, update, norm_weight, 1e-6, pdl=pdl)
         projected = skinny_linear(normed, weight, pdl=pdl)
         gated = fused_kernels.silu_mul(projected[:, :2048], projected[:, 2048:], pdl=pdl)
-        summed = skinny_linear(gated, down, pdl=pdl, residual=x)
-        folded = skinny_linear(summed, weight, pdl=pdl, norm=norm, gated=True)
-        return [normed, projected, gated, summed, folded,
-                fused_kernels.rms_norm(folded, norm.weight[:2048], norm.eps, pdl=pdl)]
+        return [total, normed, projected, gated, fused_kernels.rms_norm(gated, norm_weight[:2048], 1e-6, pdl=pdl)]
 
     expected = chain(pdl=False)
     for _ in range(3):
