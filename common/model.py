@@ -41,17 +41,20 @@ class ForwardContext(ABC):
     # The work around attention. These defaults are plain PyTorch, one matrix multiply per projection and
     # several small kernels per element-wise chain; a context may run them fused instead (step 12 does, where
     # the launches are replayed from a CUDA graph and each kernel's fixed cost is what remains).
-    def project(self, x: torch.Tensor, projections: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
-        """x through linear layers that all take it as input (q, k and v; gate and up; or just one)."""
-        return tuple(projection(x) for projection in projections)
+    def project(self, x: torch.Tensor, projections: tuple[nn.Linear, ...], norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """x through linear layers that all take it as input (q, k and v; gate and up; or just one).
+
+        With `norm`, they take norm(x) instead; with `residual` (one projection), the result is residual plus
+        the projection: the residual stream after this sublayer. The norm before a projection and the add
+        after it are asked for here, with the projection, so that a context can fold them into its kernels."""
+        if norm is not None:
+            x = self.rms_norm(norm, x)
+        outputs = tuple(projection(x) for projection in projections)
+        return outputs if residual is None else tuple(residual + output for output in outputs)
 
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
-
-    def add_rms_norm(self, norm: RMSNorm, x: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream after adding `update`, and that stream normalised: (x + update, norm(x + update))."""
-        x = x + update
-        return x, norm(x)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,9 +123,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
+        """x plus attention over norm(x)."""
         tokens = x.shape[0]
-        q, k, v = ctx.project(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = ctx.project(x, (self.q_proj, self.k_proj, self.v_proj), norm)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -130,8 +135,8 @@ class Attention(nn.Module):
             q, k = ctx.rms_norm(self.q_norm, q), ctx.rms_norm(self.k_norm, k)
         q, k = ctx.rotate(q, k, *rope)
         out = ctx.attend(self.layer_idx, q, k, v)
-        (attended,) = ctx.project(out.reshape(tokens, self.num_heads * self.head_dim), (self.o_proj,))
-        return attended
+        (x,) = ctx.project(out.reshape(tokens, self.num_heads * self.head_dim), (self.o_proj,), residual=x)
+        return x
 
 
 class MLP(nn.Module):
@@ -141,10 +146,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        gate, up = ctx.project(x, (self.gate_proj, self.up_proj))
-        (down,) = ctx.project(ctx.silu_mul(gate, up), (self.down_proj,))
-        return down
+    def forward(self, x: torch.Tensor, norm: RMSNorm, ctx: ForwardContext) -> torch.Tensor:
+        """x plus the MLP of norm(x)."""
+        gate, up = ctx.project(x, (self.gate_proj, self.up_proj), norm)
+        (x,) = ctx.project(ctx.silu_mul(gate, up), (self.down_proj,), residual=x)
+        return x
 
 
 class DecoderLayer(nn.Module):
@@ -155,18 +161,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, update: torch.Tensor | None, ctx: ForwardContext,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """x is the residual stream and `update` the previous layer's MLP output, not yet added to it (None in
-        the first layer). Returns the stream and this layer's MLP output, again not added: each residual add
-        happens right before a norm, so a context can run the two as one kernel (`add_rms_norm`)."""
-        if update is None:
-            normed = ctx.rms_norm(self.input_layernorm, x)
-        else:
-            x, normed = ctx.add_rms_norm(self.input_layernorm, x, update)
-        attended = self.self_attn(normed, ctx, rope)
-        x, normed = ctx.add_rms_norm(self.post_attention_layernorm, x, attended)
-        return x, self.mlp(normed, ctx)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The residual stream x after this layer. Each sublayer reads its norm of x and adds its output to x;
+        both are asked of `ctx` together with the projection next to them (`ForwardContext.project`)."""
+        x = self.self_attn(x, self.input_layernorm, ctx, rope)
+        return self.mlp(x, self.post_attention_layernorm, ctx)
 
 
 class DecoderBody(nn.Module):
@@ -204,18 +203,19 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token: [num_tokens, hidden_size]."""
+        """The residual stream after the last layer, one row per input token: [num_tokens, hidden_size]. The
+        final norm is applied by `compute_logits`, to the rows sampled from."""
         assert self.rope is not None, "call prepare(device) after loading the weights"
         x = self.model.embed_tokens(input_ids)
         rope = self.rope.lookup(ctx.positions, x.dtype)
-        update = None
         for layer in self.model.layers:
-            x, update = layer(x, update, ctx, rope)
-        assert update is not None, "a decoder has at least one layer"
-        return ctx.add_rms_norm(self.model.norm, x, update)[1]  # the last MLP's output, added, then normalised
+            x = layer(x, ctx, rope)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """Float32 logits for the rows we sample from (usually each request's last token only); the head's
-        projection asked of `ctx` if given."""
-        (logits,) = ctx.project(hidden, (self.lm_head,)) if ctx is not None else (self.lm_head(hidden),)
+        """Float32 logits for the rows we sample from (usually each request's last token only): the final norm
+        and the head's projection, asked of `ctx` if given."""
+        if ctx is None:
+            return self.lm_head(self.model.norm(hidden)).float()
+        (logits,) = ctx.project(hidden, (self.lm_head,), self.model.norm)
         return logits.float()

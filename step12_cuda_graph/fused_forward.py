@@ -1,9 +1,12 @@
 """Step 06's paged-attention context with fewer, larger kernels per layer (`--fused-ops`).
 
-The model asks its forward context for its projections, RMSNorm, RoPE and the gated activation
-(`common/model.py`); the defaults are plain PyTorch. This context answers with one matrix multiply for the
-projections that share an input (`packed_projections.py`) and one Triton kernel for each element-wise
-chain (`fused_kernels.py`), for the decode graphs.
+The model asks its forward context for its projections (each with the RMSNorm before it or the residual add
+after it), the heads' RMSNorm, RoPE and the gated activation (`common/model.py`); the defaults are plain
+PyTorch. This context answers with one matrix multiply for the projections that share an input
+(`packed_projections.py`) and one Triton kernel for each element-wise chain (`fused_kernels.py`), for the
+decode graphs. The kernel that adds a projection to the residual stream also makes the stream ready for the
+norm that reads it next (`PreparedNorm`): the add-and-norm kernel past 16 rows, and up to 16 rows the skinny
+matrix multiply itself, so that no norm kernel runs there at all.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend, AttentionMetadata
 from step06_paged_attention.engine import PagedAttentionForward
 from step12_cuda_graph import fused_kernels
-from step12_cuda_graph.packed_projections import PackedProjections
+from step12_cuda_graph.packed_projections import PackedProjections, PreparedNorm
 
 
 class FusedOpsForward(PagedAttentionForward):
@@ -25,15 +28,26 @@ class FusedOpsForward(PagedAttentionForward):
         super().__init__(cache, backend, meta, positions)
         self.packed = packed
         self.pdl = pdl  # launch the element-wise kernels with programmatic dependent launch
+        # Residual streams that the kernel adding to them also made ready for their next norm, by id()
+        # (each entry holds its stream, so the id cannot be reused while it waits; it is used once).
+        self.prepared: dict[int, PreparedNorm] = {}
 
-    def project(self, x: torch.Tensor, projections: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
-        return self.packed(x, projections)
+    def project(self, x: torch.Tensor, projections: tuple[nn.Linear, ...], norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        packed = self.packed[projections]
+        if residual is not None:
+            prepared = packed.add(x, residual)
+            self.prepared[id(prepared.stream)] = prepared
+            return (prepared.stream,)
+        if norm is None:
+            return packed(x)
+        prepared = self.prepared.pop(id(x), None)
+        if prepared is None or prepared.stream is not x or prepared.norm is not norm:
+            return packed(self.rms_norm(norm, x))  # the embeddings, before the first layer: a norm kernel
+        return packed(x, prepared)
 
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return fused_kernels.rms_norm(x, norm.weight, norm.eps, pdl=self.pdl)
-
-    def add_rms_norm(self, norm: RMSNorm, x: torch.Tensor, update: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return fused_kernels.add_rms_norm(x, update, norm.weight, norm.eps, pdl=self.pdl)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,18 +14,42 @@ cuBLAS.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model import CausalLM
-from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, device_limits, skinny_config, skinny_linear
+from common.model import CausalLM, RMSNorm
+from step12_cuda_graph import fused_kernels
+from step12_cuda_graph.skinny_matmul import (MAX_ROWS, SkinnyConfig, device_limits, skinny_config, skinny_linear,
+                                             skinny_linear_add)
+
+
+@dataclass
+class PreparedNorm:
+    """A residual stream, made ready for the RMSNorm that reads it next by the kernel that wrote it.
+
+    Past `MAX_ROWS` rows that kernel is the add-and-norm kernel, and `normed` is norm(stream). Up to
+    `MAX_ROWS` it is the skinny matrix multiply that added its projection to the stream: `scaled` is the
+    stream times the norm's weight and `squares` each row's sum of squares in parts, so the next projection
+    normalises as it multiplies, and no norm kernel runs at all."""
+
+    stream: torch.Tensor
+    norm: RMSNorm
+    normed: torch.Tensor | None = None
+    scaled: torch.Tensor | None = None
+    squares: torch.Tensor | None = None
 
 
 class PackedLinear:
-    """Linear layers with one input, as one stacked weight (and bias); `__call__` returns each one's output."""
+    """Linear layers with one input, as one stacked weight (and bias); `__call__` returns each one's output.
 
-    def __init__(self, linears: tuple[nn.Linear, ...], skinny: bool = False, pdl: bool = False) -> None:
+    `norm_after` is the RMSNorm that reads this projection's output next, where the model adds it to the
+    residual stream (o: the MLP's norm; down: the next layer's, or the final norm)."""
+
+    def __init__(self, linears: tuple[nn.Linear, ...], skinny: bool = False, pdl: bool = False,
+                 norm_after: RMSNorm | None = None) -> None:
         self.sizes = [linear.out_features for linear in linears]
         self.weight = stack_in_place([linear.weight for linear in linears])
         has_bias = [linear.bias is not None for linear in linears]
@@ -36,16 +60,41 @@ class PackedLinear:
         if skinny:
             self.skinny = skinny_config(self.weight.shape[0], self.weight.element_size(),
                                         **device_limits(self.weight.device))
-        self.pdl = pdl  # the skinny kernel launched with programmatic dependent launch
+        self.pdl = pdl  # the Triton kernels launched with programmatic dependent launch
+        self.norm_after = norm_after
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-            out = skinny_linear(x, self.weight, self.bias, self.skinny, pdl=self.pdl)
+    def runs_skinny(self, x: torch.Tensor) -> bool:
+        return self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+
+    def __call__(self, x: torch.Tensor, prepared: PreparedNorm | None = None) -> tuple[torch.Tensor, ...]:
+        """Each part's projection of x; with `prepared` (x made ready for a norm), of that norm of x."""
+        if prepared is None:
+            out = self.linear(x)
+        elif prepared.normed is not None:
+            out = self.linear(prepared.normed)
         else:
-            out = F.linear(x, self.weight, self.bias)
+            out = skinny_linear(prepared.scaled, self.weight, self.bias, self.skinny, self.pdl, prepared.squares,
+                                prepared.norm.eps)
         # The parts come back as column slices of one output: each token's row of a part is contiguous,
         # consecutive tokens are a packed row apart. The kernels that read them take that stride.
         return out.split(self.sizes, dim=-1)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.runs_skinny(x):
+            return skinny_linear(x, self.weight, self.bias, self.skinny, self.pdl)
+        return F.linear(x, self.weight, self.bias)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> PreparedNorm:
+        """residual + this projection of x (a pack of one, without bias), made ready for `norm_after`."""
+        norm = self.norm_after
+        if norm is None or self.bias is not None:
+            raise ValueError("only o and down are added to the residual stream: pack them with PackedProjections")
+        if self.runs_skinny(x) and residual.is_contiguous():
+            stream, scaled, squares = skinny_linear_add(x, self.weight, residual, norm.weight, self.skinny, self.pdl)
+            return PreparedNorm(stream, norm, scaled=scaled, squares=squares)
+        stream, normed = fused_kernels.add_rms_norm(residual, F.linear(x, self.weight), norm.weight, norm.eps,
+                                                    pdl=self.pdl)
+        return PreparedNorm(stream, norm, normed=normed)
 
 
 def stack_in_place(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -69,17 +118,23 @@ def stack_in_place(parts: list[torch.Tensor]) -> torch.Tensor:
 class PackedProjections:
     """Every layer's q/k/v and gate/up packed, and o, down and the output head as packs of one; looked up by
     the tuple of layers the model asks for. With `skinny`, batches of at most `MAX_ROWS` rows use
-    `skinny_linear`, launched with programmatic dependent launch if `pdl`."""
+    `skinny_linear`; `pdl` launches the Triton kernels with programmatic dependent launch."""
 
     def __init__(self, model: CausalLM, skinny: bool = False, pdl: bool = False) -> None:
         self.packed: dict[tuple[nn.Linear, ...], PackedLinear] = {}
-        for layer in model.model.layers:
+        layers = model.model.layers
+        for i, layer in enumerate(layers):
             attention, mlp = layer.self_attn, layer.mlp
-            for linears in ((attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
-                            (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)):
-                self.packed[linears] = PackedLinear(linears, skinny, pdl)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            for linears, norm_after in (((attention.q_proj, attention.k_proj, attention.v_proj), None),
+                                        ((attention.o_proj,), layer.post_attention_layernorm),
+                                        ((mlp.gate_proj, mlp.up_proj), None), ((mlp.down_proj,), next_norm)):
+                self.packed[linears] = PackedLinear(linears, skinny, pdl, norm_after)
         self.packed[(model.lm_head,)] = PackedLinear((model.lm_head,), skinny, pdl)
 
-    def __call__(self, x: torch.Tensor, linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    def __getitem__(self, linears: tuple[nn.Linear, ...]) -> PackedLinear:
         packed = self.packed.get(linears)
-        return packed(x) if packed is not None else tuple(linear(x) for linear in linears)
+        if packed is None:
+            raise KeyError("these layers are not a group of the model that was packed: pack them with "
+                           "PackedProjections(model) for the model they belong to")
+        return packed

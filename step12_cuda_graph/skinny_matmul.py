@@ -72,8 +72,10 @@ def device_limits(device: torch.device) -> dict[str, int]:
 
 
 @triton.jit
-def _skinny_matmul_kernel(X, W, BIAS, OUT, M, N, K, stride_xm, stride_wn, stride_om,
-                          HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+def _skinny_matmul_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT,
+                          M, N, K, stride_xm, stride_wn, stride_om, num_parts_in, eps,
+                          HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr,
+                          ADD_RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
@@ -81,6 +83,11 @@ def _skinny_matmul_kernel(X, W, BIAS, OUT, M, N, K, stride_xm, stride_wn, stride
     ks = tl.arange(0, BLOCK_K)
     row_mask = rows < M
     col_mask = cols < N
+    if NORMALISE:  # each row's sum of squares, in the parts the kernel that wrote x left; used after the loop
+        parts = tl.arange(0, PARTS_IN)
+        squares = tl.load(SQUARES_IN + rows[:, None] * num_parts_in + parts[None, :],
+                          mask=row_mask[:, None] & (parts < num_parts_in)[None, :], other=0.0)
+        inverse_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = k0 + ks < K
@@ -92,27 +99,78 @@ def _skinny_matmul_kernel(X, W, BIAS, OUT, M, N, K, stride_xm, stride_wn, stride
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
+    if NORMALISE:
+        acc *= inverse_rms[:, None]
     if HAS_BIAS:
         acc += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(OUT + rows[:, None] * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    mask = row_mask[:, None] & col_mask[None, :]
+    if ADD_RESIDUAL:  # the residual stream plus this projection, rounded as `residual + projection` would be
+        residual = tl.load(RESIDUAL + rows[:, None] * stride_om + cols[None, :], mask=mask, other=0.0)
+        acc = acc.to(OUT.dtype.element_ty).to(tl.float32) + residual.to(tl.float32)
+    out = acc.to(OUT.dtype.element_ty)
+    tl.store(OUT + rows[:, None] * stride_om + cols[None, :], out, mask=mask)
+    if ADD_RESIDUAL:  # made ready for the norm that reads the stream next: this band's squares, and the band
+        stream = out.to(tl.float32)  # scaled by the norm's weight (columns past N are zeros)
+        tl.store(SQUARES_OUT + rows * tl.num_programs(0) + tl.program_id(0), tl.sum(stream * stream, axis=1),
+                 mask=row_mask)
+        scale = tl.load(NEXT_NORM_W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        tl.store(SCALED + rows[:, None] * stride_om + cols[None, :],
+                 (stream * scale[None, :]).to(OUT.dtype.element_ty), mask=mask)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig = SkinnyConfig(), pdl: bool = False) -> torch.Tensor:
+                  config: SkinnyConfig = SkinnyConfig(), pdl: bool = False, squares: torch.Tensor | None = None,
+                  eps: float = 0.0) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [rows <= MAX_ROWS, K] with contiguous rows and a contiguous weight.
+
+    With `squares` [rows, parts] (from `skinny_linear_add`), x is a residual stream already scaled by an
+    RMSNorm's weight, and each output row is divided by its root mean square: the projection of norm(x).
     `pdl`: launch with programmatic dependent launch (`dependent_launch.py`)."""
     rows, k = x.shape
     n = weight.shape[0]
-    if rows > MAX_ROWS:
-        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {rows}: use F.linear")
-    if x.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError("skinny_linear needs x's rows and the weight contiguous")
+    _check(x, weight)
+    if squares is not None and (squares.shape[0] != rows or not squares.is_contiguous()):
+        raise ValueError(f"squares must be [{rows}, parts] and contiguous, got {tuple(squares.shape)}")
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     _skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        x, weight, bias if bias is not None else weight, out, squares if squares is not None else out,
+        out, weight, out, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        squares.shape[1] if squares is not None else 0, eps,
+        HAS_BIAS=bias is not None, NORMALISE=squares is not None,
+        PARTS_IN=triton.next_power_of_2(squares.shape[1]) if squares is not None else 1, ADD_RESIDUAL=False,
+        IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl, launch_pdl=pdl,
     )
     return out
+
+
+def skinny_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, next_norm_weight: torch.Tensor,
+                      config: SkinnyConfig = SkinnyConfig(), pdl: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """residual + F.linear(x, weight) (no bias), made ready for the RMSNorm that reads it next, in one launch.
+
+    Returns (stream, scaled, squares): the new residual stream [rows, n]; the stream times the next norm's
+    weight, which `skinny_linear` multiplies as it is; and each row's sum of squares in one float32 part per
+    program [rows, parts], which `skinny_linear` adds up to normalise its output rows. No norm kernel runs."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    _check(x, weight)
+    if residual.shape != (rows, n) or not residual.is_contiguous():
+        raise ValueError(f"the residual must be [{rows}, {n}] and contiguous, got {tuple(residual.shape)}")
+    out, scaled = torch.empty_like(residual), torch.empty_like(residual)
+    programs = triton.cdiv(n, config.block_n)
+    squares = torch.empty((rows, programs), dtype=torch.float32, device=x.device)
+    _skinny_matmul_kernel[(programs,)](
+        x, weight, weight, out, out, residual, next_norm_weight, scaled, squares, rows, n, k, x.stride(0),
+        weight.stride(0), out.stride(0), 0, 0.0, HAS_BIAS=False, NORMALISE=False, PARTS_IN=1, ADD_RESIDUAL=True,
+        IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl, launch_pdl=pdl,
+    )
+    return out, scaled, squares
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("skinny_linear needs x's rows and the weight contiguous")

@@ -28,7 +28,7 @@ def test_packed_outputs_match_the_separate_layers(model_name: str) -> None:
     before = storage_bytes(model)
     packed = PackedProjections(model)
     for linears, outputs in zip((qkv, gate_up), expected):
-        got = packed(x, linears)
+        got = packed[linears](x)
         assert len(got) == len(outputs)
         for g, e in zip(got, outputs):
             torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
@@ -48,10 +48,18 @@ def test_packing_twice_copies_nothing() -> None:
     assert second.packed[key].weight.data_ptr() == first.packed[key].weight.data_ptr()
 
 
-def test_projections_not_packed_run_separately() -> None:
+def test_layers_not_packed_are_refused() -> None:
     model = load_model("tiny-llama").model
     packed = PackedProjections(model)
     other = torch.nn.Linear(model.config.hidden_size, 7)  # a layer the model does not have
+    with pytest.raises(KeyError, match="not a group of the model"):
+        packed[other,]
+
+
+def test_only_the_residual_projections_are_added_to_the_stream() -> None:
+    model = load_model("tiny-llama").model
+    packed = PackedProjections(model)
+    attention = model.model.layers[0].self_attn
     x = torch.randn(2, model.config.hidden_size)
-    (out,) = packed(x, (other,))
-    torch.testing.assert_close(out, other(x))
+    with pytest.raises(ValueError, match="only o and down"):
+        packed[attention.q_proj, attention.k_proj, attention.v_proj].add(x, x)

@@ -12,8 +12,10 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="Triton is not installed (it ships for Linux x86-64 only)")
 from common.loading import load_model  # noqa: E402
+from common.model import RMSNorm  # noqa: E402
 from step12_cuda_graph.packed_projections import PackedProjections  # noqa: E402
-from step12_cuda_graph.skinny_matmul import MAX_ROWS, SkinnyConfig, skinny_config, skinny_linear  # noqa: E402
+from step12_cuda_graph.skinny_matmul import (  # noqa: E402
+    MAX_ROWS, SkinnyConfig, skinny_config, skinny_linear, skinny_linear_add)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -48,20 +50,64 @@ def test_skinny_linear_refuses_too_many_rows() -> None:
         skinny_linear(torch.randn(MAX_ROWS + 1, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_skinny_linear_add_makes_the_next_norm_ready(dtype: torch.dtype, rows: int) -> None:
+    """residual + x W^T, with the next norm's input made ready in the same launch; then the next projection of
+    norm(stream) from that, with no norm kernel: the same as the add, RMSNorm and F.linear one after another.
+    Uneven sizes: the last band's columns past n must add nothing to the sums of squares."""
+    n, k = 100, 200
+    x = torch.randn(rows, k, device=DEVICE, dtype=dtype)
+    weight = torch.randn(n, k, device=DEVICE, dtype=dtype) * k**-0.5
+    residual = torch.randn(rows, n, device=DEVICE, dtype=dtype) * 3
+    norm = RMSNorm(n, 1e-6).to(DEVICE, dtype)
+    norm.weight.data.normal_(1.0, 0.2)
+    config = SkinnyConfig(block_n=32, block_k=64)
+    stream, scaled, squares = skinny_linear_add(x, weight, residual, norm.weight, config)
+    expected_stream = residual.float() + F.linear(x.float(), weight.float())
+    torch.testing.assert_close(stream.float(), expected_stream, atol=TOLERANCE[dtype] * 3, rtol=TOLERANCE[dtype])
+    assert squares.shape == (rows, 4) and squares.dtype == torch.float32  # one part per band of 32 columns
+    torch.testing.assert_close(squares.sum(dim=1), stream.float().pow(2).sum(dim=1), atol=1e-3, rtol=1e-5)
+    torch.testing.assert_close(scaled, (stream.float() * norm.weight.float()).to(dtype))
+
+    after = torch.randn(60, n, device=DEVICE, dtype=dtype) * n**-0.5
+    bias = torch.randn(60, device=DEVICE, dtype=dtype)
+    got = skinny_linear(scaled, after, bias, config, squares=squares, eps=norm.eps)
+    expected = F.linear(norm(stream).float(), after.float(), bias.float())
+    torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype] * 3, rtol=TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("model_name", ["tiny-qwen2", "tiny-llama"])  # with and without q/k/v biases
 def test_skinny_projections_match_the_layers(model_name: str) -> None:
-    """Every projection of a layer through the skinny kernel, at a decode batch and past MAX_ROWS (F.linear)."""
+    """A layer's projections as the fused context runs them, each add made ready for the norm after it: at a
+    decode batch (the skinny kernel, no norm kernel) and past MAX_ROWS (cuBLAS and the add-and-norm kernel).
+    The last layer, so that its down projection is made ready for the final norm and the output head."""
     model = load_model(model_name, device=DEVICE).model
-    layer = model.model.layers[1]
+    layer = model.model.layers[-1]
     attention, mlp = layer.self_attn, layer.mlp
-    groups = [(attention.q_proj, attention.k_proj, attention.v_proj), (attention.o_proj,),
-              (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)]
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm):
+        norm.weight.data.normal_(1.0, 0.2)  # not the ones they start as: a weight left out would show
     packed = PackedProjections(model, skinny=True)
+    qkv, gate_up = (attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)
     for rows in (2, MAX_ROWS + 3):
-        for linears in groups:
-            x = torch.randn(rows, linears[0].in_features, device=DEVICE)
-            for got, linear in zip(packed(x, linears), linears, strict=True):
-                torch.testing.assert_close(got, linear(x), atol=1e-5, rtol=1e-5)
+        x = torch.randn(rows, model.config.hidden_size, device=DEVICE) * 3
+        attended = torch.randn(rows, attention.o_proj.in_features, device=DEVICE)
+        for got, linear in zip(packed[qkv](layer.input_layernorm(x)), qkv, strict=True):
+            torch.testing.assert_close(got, linear(layer.input_layernorm(x)), atol=1e-4, rtol=1e-5)
+
+        prepared = packed[attention.o_proj,].add(attended, x)
+        stream = x + attention.o_proj(attended)
+        torch.testing.assert_close(prepared.stream, stream, atol=1e-4, rtol=1e-5)
+        normed = layer.post_attention_layernorm(stream)
+        for got, linear in zip(packed[gate_up](prepared.stream, prepared), gate_up, strict=True):
+            torch.testing.assert_close(got, linear(normed), atol=1e-4, rtol=1e-5)
+
+        activation = F.silu(mlp.gate_proj(normed)) * mlp.up_proj(normed)
+        prepared = packed[mlp.down_proj,].add(activation, stream)
+        stream = stream + mlp.down_proj(activation)
+        assert prepared.norm is model.model.norm
+        (logits,) = packed[model.lm_head,](prepared.stream, prepared)
+        torch.testing.assert_close(logits, model.lm_head(model.model.norm(stream)), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("element_size", [2, 4])
