@@ -55,6 +55,11 @@ class AttentionBackend(ABC):
                meta: AttentionMetadata) -> torch.Tensor:
         """q: [batch, heads, head_dim], one new token per request. Returns the same shape."""
 
+    def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
+        """Into how many parts `decode` splits each sequence for this batch and longest length: the one host
+        number it sizes its launch from (1: it does not split)."""
+        return 1
+
     @abstractmethod
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

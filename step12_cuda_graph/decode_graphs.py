@@ -12,8 +12,11 @@ same scalar arguments. Hence everything in this module:
   at a reserved dummy block, so their K/V writes land where no request reads;
 - whatever changes between steps is read by the kernels from device memory: lengths, block tables,
   slots. A host number captured into a launch stays what it was at capture time, so the number of
-  sequence splits of the decode kernel is fixed per bucket, from the longest context the engine allows
-  (each row then divides its own length, read from `seq_lens`, among those splits).
+  sequence splits of the decode kernel is fixed per graph (each row then divides its own length, read
+  from `seq_lens`, among those splits). Splits sized for the longest context the engine allows leave
+  short ones in slivers: so each bucket gets a second graph for batches whose sequences are all short
+  (`SHORT_CONTEXT`), where the backend would split them differently, and a replay takes the graph that
+  fits its longest sequence.
 
 Without a CUDA device (or with an attention backend that sizes its work from host numbers) the same
 padded, static-buffer forward simply runs eagerly: the path is the same, only not recorded.
@@ -21,6 +24,7 @@ padded, static-buffer forward simply runs eagerly: the path is the same, only no
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields
@@ -35,6 +39,10 @@ from step06_paged_attention.engine import PagedAttentionForward
 
 # Padded rows in a sampling batch: greedy, so they never touch the noise; a fixed seed keeps them cheap.
 _PAD_PARAMS = SamplingParams(seed=0)
+
+# Tokens up to which a batch counts as short: step 06's decode kernel then makes at most 4 splits of one
+# 64-token tile each, and merges them inside the kernel, without its merge kernel.
+SHORT_CONTEXT = 256
 
 
 # Graph memory per (padded row x vocabulary entry): the sampling graph keeps several [rows, vocab] temporaries
@@ -147,7 +155,15 @@ class DecodeGraphs:
         vocab = self.model.config.vocab_size
         self.sampling = SamplingTensors.build([_PAD_PARAMS] * self.max_batch, [0] * self.max_batch, vocab, self.device)
         self.tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        # The longest sequence each bucket's graphs are captured for: SHORT_CONTEXT where the backend would
+        # split it differently from the longest context allowed, then that context.
+        kv_heads = model.config.num_kv_heads
+        self.frozen_lens = {
+            bucket: [*([SHORT_CONTEXT] if SHORT_CONTEXT < max_model_len and backend.num_splits(
+                bucket, kv_heads, SHORT_CONTEXT) != backend.num_splits(bucket, kv_heads, max_model_len) else []),
+                     max_model_len]
+            for bucket in self.buckets}
+        self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         if capture:
@@ -187,11 +203,10 @@ class DecodeGraphs:
         torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
-        frozen_len = self.max_model_len  # the longest any row can get: fixes the split count
         side = torch.cuda.Stream(self.device)
         for bucket in reversed(self.buckets):
             self.inputs.fill([], [], [], bucket)  # every row on the dummy block: capture writes nothing real
-            for sampled in (False, True):
+            for sampled, frozen_len in itertools.product((False, True), self.frozen_lens[bucket]):
                 # One eager run first, on a side stream: Triton compiles, cuBLAS picks its kernels, and the
                 # allocator settles, none of which may happen during the capture.
                 side.wait_stream(torch.cuda.current_stream(self.device))
@@ -201,7 +216,7 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.forward(bucket, sampled, frozen_len)
-                self.graphs[bucket, sampled] = graph
+                self.graphs[bucket, sampled, frozen_len] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - started
         self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
@@ -226,12 +241,20 @@ class DecodeGraphs:
             for f in fields(SamplingTensors):
                 field = getattr(rows, f.name)
                 getattr(self.sampling, f.name)[:bucket].copy_(field.pin_memory() if pinned else field, non_blocking=pinned)
-        graph = self.graphs.get((bucket, sampled))
+        graph = self.graph_for(bucket, sampled, max(seq_lens))
         if graph is not None:
             graph.replay()
         else:
             self.forward(bucket, sampled, max(seq_lens))
         return PendingTokens(self.tokens[:n])
+
+    def frozen_len_for(self, bucket: int, longest: int) -> int:
+        """The shortest length the bucket's graphs are captured for that holds a sequence of `longest`."""
+        return next((n for n in self.frozen_lens[bucket] if n >= longest), self.max_model_len)
+
+    def graph_for(self, bucket: int, sampled: bool, longest: int) -> torch.cuda.CUDAGraph | None:
+        """The bucket's graph for a batch whose longest sequence is `longest` (None: none captured)."""
+        return self.graphs.get((bucket, sampled, self.frozen_len_for(bucket, longest)))
 
     def describe(self) -> str:
         fused = ""
@@ -241,5 +264,7 @@ class DecodeGraphs:
             fused = f", fused ops: packed projections{skinny}, fused element-wise kernels{pdl}"
         if not self.graphs:
             return f"decode on static buffers, eager (buckets {self.buckets}{fused})"
-        return (f"{len(self.graphs)} CUDA graphs (buckets {self.buckets}, greedy and sampling{fused}) captured "
-                f"in {self.capture_seconds:.1f} s, {self.capture_bytes / 2**20:.0f} MiB of graph memory")
+        short = [bucket for bucket, lens in self.frozen_lens.items() if len(lens) > 1]
+        short_too = f", buckets {short} also for contexts up to {SHORT_CONTEXT} tokens" if short else ""
+        return (f"{len(self.graphs)} CUDA graphs (buckets {self.buckets}{short_too}, greedy and sampling{fused}) "
+                f"captured in {self.capture_seconds:.1f} s, {self.capture_bytes / 2**20:.0f} MiB of graph memory")

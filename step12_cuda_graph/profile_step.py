@@ -65,22 +65,19 @@ def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, ste
     seq_lens = engine.grow_block_tables(requests)  # the block the step's new token goes to, if it starts one
     graphs.inputs.fill([r.output_token_ids[-1] for r in requests], seq_lens,
                        [engine.block_tables[r.request_id] for r in requests], bucket)
-    graph = graphs.graphs[bucket, False]
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    replay_ms = start.elapsed_time(end) / steps
+    frozen_len = graphs.frozen_len_for(bucket, max(seq_lens))
+    replay_ms = time_replays(graphs.graphs[bucket, False, frozen_len], steps)
+    # The same step through the graph captured for the longest context, where the bucket has a short one:
+    # its split count is the difference (decode_graphs.SHORT_CONTEXT).
+    long_ms = time_replays(graphs.graphs[bucket, False, engine.max_model_len], steps) if (
+        frozen_len != engine.max_model_len) else None
 
     eager_steps = max(1, steps // 4)
-    graphs.forward(bucket, False, engine.max_model_len)  # the same split count as the graph
+    graphs.forward(bucket, False, frozen_len)  # the same split count as the graph
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(eager_steps):
-            graphs.forward(bucket, False, engine.max_model_len)
+            graphs.forward(bucket, False, frozen_len)
         torch.cuda.synchronize()
     kernels = []
     for avg in prof.key_averages():
@@ -93,12 +90,25 @@ def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, ste
     for k in kernels:
         by_category[k["category"]] += k["ms_per_step"]
     point = {"batch": batch, "bucket": bucket, "context": context, "variant": variant, **VARIANTS[variant],
-             "replay_ms_per_step": replay_ms, "kernel_ms_per_step": sum(by_category.values()),
+             "graph_captured_for_tokens": frozen_len, "replay_ms_per_step": replay_ms,
+             "replay_ms_per_step_longest_context_graph": long_ms, "kernel_ms_per_step": sum(by_category.values()),
              "kernels_per_step": sum(k["calls_per_step"] for k in kernels),
              "ms_per_step_by_category": dict(by_category), "top_kernels": kernels[:25]}
-    del engine, graphs, graph
+    del engine, graphs
     torch.cuda.empty_cache()
     return point
+
+
+def time_replays(graph: torch.cuda.CUDAGraph, steps: int) -> float:
+    """Milliseconds per replay, over `steps` replays after one to warm up."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
 
 
 def main() -> int:
@@ -126,8 +136,10 @@ def main() -> int:
             point = profile_point(loaded, args.model, batch, args.context, args.steps, variant)
             point["replay_vs_ceiling"] = ceiling_ms / point["replay_ms_per_step"]
             points.append(point)
+            longest = point["replay_ms_per_step_longest_context_graph"]
             print(f"batch {batch} (bucket {point['bucket']}), {variant}: replay "
-                  f"{point['replay_ms_per_step']:.2f} ms per step; kernels {point['kernel_ms_per_step']:.2f} ms in "
+                  f"{point['replay_ms_per_step']:.2f} ms per step"
+                  + (f" ({longest:.2f} ms with the longest-context graph)" if longest else "") + "; kernels {point['kernel_ms_per_step']:.2f} ms in "
                   f"{point['kernels_per_step']:.0f} launches; weight-read ceiling {ceiling_ms:.2f} ms "
                   f"({100 * point['replay_vs_ceiling']:.0f}% of it reached)", flush=True)
             for name, ms in sorted(point["ms_per_step_by_category"].items(), key=lambda kv: -kv[1]):

@@ -17,7 +17,9 @@ from common.reference import compare_greedy
 from common.sampling import SamplingParams
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
-from step12_cuda_graph.decode_graphs import StaticDecodeInputs, graph_buckets
+from step02_paged_kv.kv_cache import PagedKVCache
+from step06_paged_attention.backends import TorchBackend
+from step12_cuda_graph.decode_graphs import SHORT_CONTEXT, DecodeGraphs, StaticDecodeInputs, graph_buckets
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
 from tests.conftest import PARITY_MAX_TOKENS, step01_tokens
 from tests.test_step07 import run_checked
@@ -39,6 +41,28 @@ def test_padded_rows_point_at_the_dummy_block() -> None:
     # position 5 is slot 1 of logical block 1 (physical 4); position 8 is slot 0 of physical block 5
     assert inputs.slot_mapping[:4].tolist() == [4 * 4 + 1, 8 * 4, 5 * 4, 30 * 4]
     assert inputs.block_table[:4, :3].tolist() == [[3, 4, 30], [8, 30, 30], [12, 2, 5], [30, 30, 30]]
+
+
+class SplittingBackend(TorchBackend):
+    """The reference backend, with a split count that depends on the batch and the longest length."""
+
+    def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
+        return max(1, min(32 // batch, max_seq_len // 64))
+
+
+@pytest.mark.parametrize("backend", [TorchBackend(), SplittingBackend()])
+def test_short_contexts_get_graphs_of_their_own_where_they_split_differently(backend: TorchBackend) -> None:
+    tiny = load_model("tiny-llama")
+    cache = PagedKVCache(tiny.model.config, 9, 16, torch.device("cpu"), torch.float32)
+    graphs = DecodeGraphs(tiny.model, cache, backend, max_model_len=1024, dummy_block=8, max_batch=16,
+                          capture=False)
+    if isinstance(backend, SplittingBackend):  # 4 splits when short; 32, 16, 8 when long at batch 1, 2, 4
+        assert graphs.frozen_lens == {1: [SHORT_CONTEXT, 1024], 2: [SHORT_CONTEXT, 1024], 4: [SHORT_CONTEXT, 1024],
+                                      8: [1024], 16: [1024]}
+        assert graphs.frozen_len_for(1, SHORT_CONTEXT) == SHORT_CONTEXT
+    else:  # no split count: one graph per bucket and sampling mode, as before
+        assert all(lens == [1024] for lens in graphs.frozen_lens.values())
+    assert graphs.frozen_len_for(1, SHORT_CONTEXT + 1) == 1024 and graphs.frozen_len_for(8, 10) == 1024
 
 
 def test_cpu_says_it_runs_eagerly() -> None:
@@ -188,3 +212,24 @@ def test_captured_graphs_match_step06_on_cuda(model: str, fused_ops: bool, pdl: 
         assert engine.allocator.num_used == 0
         if num_blocks == 10:
             assert engine.preemptions >= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")
+def test_graphs_for_short_and_long_contexts_match_step06_on_cuda() -> None:
+    """One request past SHORT_CONTEXT among short ones: the batches holding it replay the graphs captured for
+    the longest context, the others those for short contexts (fewer splits); step 06's tokens either way."""
+    loaded = load_model("tiny-llama", device="cuda", dtype=torch.float32)
+    prompts = [loaded.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
+    prompts[1] = prompts[1] * (SHORT_CONTEXT // len(prompts[1]) + 1)  # longer than SHORT_CONTEXT tokens
+    assert len(prompts[1]) > SHORT_CONTEXT and max(len(p) for p in prompts[2:]) < SHORT_CONTEXT - 40
+    params = [SamplingParams(max_tokens=12) for _ in prompts]
+    step06 = PagedAttentionEngine(loaded, PagedAttentionEngineConfig(device="cuda", block_size=16, num_blocks=128,
+                                                                      attn="triton"))
+    expected = staggered_generate(step06, prompts, params, arrive_every=1)
+    engine = CudaGraphEngine(loaded, CudaGraphEngineConfig(device="cuda", block_size=16, num_blocks=128,
+                                                           attn="triton", max_graph_batch=8))
+    assert engine.graphs is not None and any(len(lens) > 1 for lens in engine.graphs.frozen_lens.values())
+    outputs = staggered_generate(engine, prompts, params, arrive_every=1)
+    reports = compare_engines(loaded, prompts, outputs, expected)
+    assert all(r.ok for r in reports), [r.describe() for r in reports if not r.ok]
+    assert sum(r.equal for r in reports) >= len(prompts) - 1
