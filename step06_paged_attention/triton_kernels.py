@@ -83,7 +83,7 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexp
     return m_new, l_i, acc
 
 
-MERGE_IN_KERNEL_MAX_SPLITS = 4  # more splits than this are merged by a kernel of their own (see below)
+MERGE_IN_KERNEL_MAX_SPLITS = 8  # more splits than this are merged by a kernel of their own (see below)
 
 
 @triton.jit

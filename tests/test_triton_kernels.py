@@ -58,7 +58,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first
 
 @pytest.mark.parametrize("group", [1, 3, 7])
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("num_splits", [1, 3, 6])  # 6: merged by the separate kernel
+@pytest.mark.parametrize("num_splits", [1, 3, 6, 12])  # 12: merged by the separate kernel
 def test_paged_decode_matches_reference(group: int, block_size: int, num_splits: int) -> None:
     seq_lens = [1, 5, 37, 16]
     k_cache, v_cache = make_cache(64, block_size, torch.float32)
