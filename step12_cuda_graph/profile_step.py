@@ -2,8 +2,8 @@
 
 With graphs, a step lasts as long as the GPU needs for its kernels plus the small gaps between them. For
 each batch size and each variant (plain; `--fused-ops` with cuBLAS; `--fused-ops` with the skinny matrix
-multiply, without and with programmatic dependent launch), this script puts that many requests of `--context` tokens in flight on a `CudaGraphEngine` (one
-model, loaded once), then measures:
+multiply, without and with programmatic dependent launch), this script puts that many requests of
+`--context` tokens in flight on a `CudaGraphEngine` (one model, loaded once), then measures:
 - the replayed graph's time per step (CUDA events over many replays);
 - the same forward run eagerly under torch.profiler: every kernel's GPU time, summed per step and grouped
   (matrix multiplies, our attention kernels, element-wise and reductions, the rest), with the most costly
