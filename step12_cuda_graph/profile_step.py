@@ -137,9 +137,10 @@ def main() -> int:
             point["replay_vs_ceiling"] = ceiling_ms / point["replay_ms_per_step"]
             points.append(point)
             longest = point["replay_ms_per_step_longest_context_graph"]
+            longest_text = f" ({longest:.2f} ms with the longest-context graph)" if longest else ""
             print(f"batch {batch} (bucket {point['bucket']}), {variant}: replay "
-                  f"{point['replay_ms_per_step']:.2f} ms per step"
-                  + (f" ({longest:.2f} ms with the longest-context graph)" if longest else "") + "; kernels {point['kernel_ms_per_step']:.2f} ms in "
+                  f"{point['replay_ms_per_step']:.2f} ms per step{longest_text}; kernels "
+                  f"{point['kernel_ms_per_step']:.2f} ms in "
                   f"{point['kernels_per_step']:.0f} launches; weight-read ceiling {ceiling_ms:.2f} ms "
                   f"({100 * point['replay_vs_ceiling']:.0f}% of it reached)", flush=True)
             for name, ms in sorted(point["ms_per_step_by_category"].items(), key=lambda kv: -kv[1]):
