@@ -120,6 +120,7 @@ class TritonBackend(AttentionBackend):
         # zeroed per call (a decode graph then records no extra kernel for them). A larger batch gets a new
         # buffer, but the old ones stay alive: a captured graph may still write to them.
         self.arrived_buffers: list[torch.Tensor] = []
+        self.pdl = False  # step 12 turns it on: the decode kernels launched with programmatic dependent launch
 
     def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
         """Split long sequences when batch x KV heads alone would leave most of the GPU idle. Fill one wave
@@ -130,7 +131,7 @@ class TritonBackend(AttentionBackend):
         return max(1, min(one_wave, max_seq_len // 64, 32))
 
     def write_kv(self, k_cache, v_cache, k, v, meta):
-        self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, pdl=self.pdl)
 
     def decode(self, q, k_cache, v_cache, meta):
         batch, kv_heads = q.shape[0], k_cache.shape[2]
@@ -138,7 +139,7 @@ class TritonBackend(AttentionBackend):
         if not self.arrived_buffers or self.arrived_buffers[-1].numel() < batch * kv_heads:
             self.arrived_buffers.append(torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device))
         return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, num_splits=splits,
-                                         arrived=self.arrived_buffers[-1])
+                                         arrived=self.arrived_buffers[-1], pdl=self.pdl)
 
     def prefill(self, q, k_cache, v_cache, meta):
         return self.kernels.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens,

@@ -21,10 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from common.dependent_launch import wait_for_previous_kernel
+
 
 @triton.jit
 def _write_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS, stride_k_t, stride_v_t, stride_slot,
-                     ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+                     ROW: tl.constexpr, ROW_PAD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0)
     slot = tl.load(SLOTS + t).to(tl.int64)
     cols = tl.arange(0, ROW_PAD)
@@ -36,14 +39,15 @@ def _write_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS, stride_k_t, stride_v
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, pdl: bool = False) -> None:
     """k, v: [tokens, kv_heads, head_dim], each token's row contiguous (tokens may be strided, as in slices of
-    one packed projection); caches: one layer, [num_blocks, block_size, kv_heads, head_dim]."""
+    one packed projection); caches: one layer, [num_blocks, block_size, kv_heads, head_dim]. `pdl`: launch
+    with programmatic dependent launch (step 12, `common/dependent_launch.py`)."""
     tokens, kv_heads, head_dim = k.shape
     row = kv_heads * head_dim
     k, v = k.reshape(tokens, row), v.reshape(tokens, row)
     _write_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), row,
-                                ROW=row, ROW_PAD=triton.next_power_of_2(row))
+                                ROW=row, ROW_PAD=triton.next_power_of_2(row), PDL=pdl, launch_pdl=pdl)
 
 
 DECODE_TILE = 64  # tokens of K/V a decode program loads per loop iteration
@@ -91,8 +95,9 @@ def _paged_decode_split_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L, ARRIVED, OUT, scale,
     stride_qb, stride_qh, stride_bt, stride_slot, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, MERGE_HERE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -155,7 +160,9 @@ def _paged_decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
-                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -175,7 +182,7 @@ def _merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, num_splits: int = 1, tile: int = DECODE_TILE,
                  num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
-                 arrived: torch.Tensor | None = None) -> torch.Tensor:
+                 arrived: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """q: [batch, heads, head_dim]; caches: one layer, [num_blocks, block_size, kv_heads, head_dim];
     block_table: [batch, max_blocks] int32; seq_lens: [batch] int32 (tokens cached, the new one included).
     Returns [batch, heads, head_dim] in q's dtype.
@@ -185,7 +192,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     with more, by that second kernel, one program per head, because one program adding up 16 or 32 splits
     in turn is slower than the launch it saves. Merging in the kernel needs `arrived`: int32 zeros, at
     least batch x kv_heads, where the splits count in (and which they leave at 0); pass a buffer kept for
-    the purpose, or one is zeroed for the call."""
+    the purpose, or one is zeroed for the call. `pdl`: launch with programmatic dependent launch (step 12,
+    `common/dependent_launch.py`)."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
@@ -203,13 +211,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), block_table.stride(0), kv_heads * head_dim,
         acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, MERGE_HERE=merge_here, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, PRECISION=dot_precision(q.dtype), PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if num_splits > MERGE_IN_KERNEL_MAX_SPLITS:
         _merge_splits_kernel[(batch, heads)](
             acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+            PDL=pdl, launch_pdl=pdl,
         )
     return out
 

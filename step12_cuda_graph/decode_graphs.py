@@ -34,7 +34,7 @@ import torch
 from common.model import CausalLM
 from common.sampling import SamplingParams, SamplingTensors, sample_rows
 from step02_paged_kv.kv_cache import PagedKVCache
-from step06_paged_attention.backends import AttentionBackend, AttentionMetadata
+from step06_paged_attention.backends import AttentionBackend, AttentionMetadata, TritonBackend
 from step06_paged_attention.engine import PagedAttentionForward
 
 # Padded rows in a sampling batch: greedy, so they never touch the noise; a fixed seed keeps them cheap.
@@ -145,6 +145,8 @@ class DecodeGraphs:
             from step12_cuda_graph.packed_projections import PackedProjections
 
             packed = PackedProjections(model, skinny=skinny_matmul, pdl=pdl)
+            if pdl and isinstance(backend, TritonBackend):  # attention too, so the o projection is placed early
+                backend.pdl = True
             self.make_context = lambda meta, positions: FusedOpsForward(cache, backend, meta, positions, packed, pdl)
         self.device = model.device
         self.buckets = graph_buckets(max_batch)

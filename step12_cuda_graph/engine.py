@@ -50,7 +50,8 @@ class CudaGraphEngineConfig(PreemptionEngineConfig):
     # With fused ops, projections of at most 16 rows through our own skinny matrix multiply, not cuBLAS.
     # None: whenever fused ops are on.
     skinny_matmul: bool | None = None
-    # With fused ops, launch their kernels with programmatic dependent launch (`dependent_launch.py`).
+    # With fused ops, launch their kernels and step 06's attention kernels with programmatic dependent launch
+    # (`common/dependent_launch.py`).
     # None: wherever decode is captured on a GPU that has it (compute capability 9.0 or later).
     pdl: bool | None = None
     # Launch each decode step before the host turns the previous step's tokens into text (`launch_ahead`).

@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --fused-ops, run projections of at most 16 rows through our own matrix multiply "
                              "instead of cuBLAS (default: whenever fused ops are on)")
     graphs.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
-                        help="with --fused-ops, launch their kernels with programmatic dependent launch "
+                        help="with --fused-ops, launch their kernels and step 06's attention kernels with "
+                             "programmatic dependent launch "
                              "(default: wherever decode is captured on a GPU of compute capability 9.0 or later)")
     graphs.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                         help="launch each decode step before the host has processed the previous one's tokens "

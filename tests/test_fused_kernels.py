@@ -107,21 +107,38 @@ def test_fused_ops_need_the_graph_path() -> None:
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs a GPU of compute capability 9.0 or later (none here)")
 def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
-    """A chain where each kernel reads the output of the one launched just before it: with programmatic
-    dependent launch every kernel must wait for its predecessor, so the results are bit for bit those of
-    ordinary launches."""
+    """A chain where each kernel reads the output of the one launched just before it, step 06's attention
+    kernels among them: with programmatic dependent launch every kernel must wait for its predecessor, so
+    the results are bit for bit those of ordinary launches."""
+    from step06_paged_attention import triton_kernels
     from step12_cuda_graph.skinny_matmul import skinny_linear
 
     x = torch.randn(8, 3584, device=DEVICE, dtype=torch.bfloat16)
     update = torch.randn_like(x)
     norm_weight = torch.rand(3584, device=DEVICE, dtype=torch.bfloat16) + 0.5
     weight = torch.randn(4096, 3584, device=DEVICE, dtype=torch.bfloat16) * 3584**-0.5
+    # Step 06's attention in the chain: 8 sequences of 4 blocks each (8 query heads, 2 KV heads), their
+    # blocks shuffled in the pool; each writes its new token's K/V and attends over its cached tokens.
+    caches = torch.randn(2, 32, 16, 2, 128, device=DEVICE, dtype=torch.bfloat16)
+    block_table = torch.randperm(32, device=DEVICE, dtype=torch.int32).reshape(8, 4)
+    seq_lens = torch.randint(10, 65, (8,), device=DEVICE, dtype=torch.int32)
+    last = (seq_lens - 1).long()
+    slots = (block_table.gather(1, (last // 16)[:, None]).squeeze(1).long() * 16 + last % 16).int()
 
     def chain(pdl: bool) -> list[torch.Tensor]:
         total, normed = fused_kernels.add_rms_norm(x, update, norm_weight, 1e-6, pdl=pdl)
         projected = skinny_linear(normed, weight, pdl=pdl)
-        gated = fused_kernels.silu_mul(projected[:, :2048], projected[:, 2048:], pdl=pdl)
-        return [total, normed, projected, gated, fused_kernels.rms_norm(gated, norm_weight[:2048], 1e-6, pdl=pdl)]
+        q, k, v = (projected[:, :1024].reshape(8, 8, 128), projected[:, 1024:1280].reshape(8, 2, 128),
+                   projected[:, 1280:1536].reshape(8, 2, 128))
+        k_cache, v_cache = caches.clone()
+        triton_kernels.write_kv(k, v, k_cache, v_cache, slots, pdl=pdl)
+        arrived = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+        attended = [triton_kernels.paged_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits=splits,
+                                                arrived=arrived, pdl=pdl).reshape(8, 1024)
+                    for splits in (2, 16)]  # merged inside the decode kernel, and by a kernel of their own
+        gated = fused_kernels.silu_mul(attended[0], attended[1], pdl=pdl)
+        return [total, normed, projected, k_cache, *attended, gated,
+                fused_kernels.rms_norm(gated, norm_weight[:1024], 1e-6, pdl=pdl)]
 
     expected = chain(pdl=False)
     for _ in range(3):
