@@ -51,9 +51,7 @@ def skinny_config(n: int, element_size: int = 2, multiprocessors: int = 132, sha
         config = SkinnyConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
     elif n <= 64 * multiprocessors:
         config = SkinnyConfig(block_n=64, block_k=256, num_warps=4, num_stages=5)
-    elif n <= 512 * multiprocessors:  # gate/up (37888): a few waves of wider bands, three programs each
-        config = SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
-    else:  # the output head (152064): many waves
+    else:
         config = SkinnyConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
     block_k, stages = config.block_k, config.num_stages
     while stages * (MAX_ROWS + config.block_n) * block_k * element_size > shared_memory:  # an x and a weight tile
