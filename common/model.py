@@ -61,6 +61,13 @@ class ForwardContext(ABC):
         """RoPE on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim]."""
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
+    def rotate_and_attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on q and k, then `attend`: asked for together, so that a context can write the rotated k
+        into its cache as it rotates it."""
+        q, k = self.rotate(q, k, cos, sin)
+        return self.attend(layer_idx, q, k, v)
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The gated MLP's activation: silu(gate) * up."""
         return F.silu(gate) * up
@@ -133,8 +140,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = ctx.rms_norm(self.q_norm, q), ctx.rms_norm(self.k_norm, k)
-        q, k = ctx.rotate(q, k, *rope)
-        out = ctx.attend(self.layer_idx, q, k, v)
+        out = ctx.rotate_and_attend(self.layer_idx, q, k, v, *rope)
         (x,) = ctx.project(out.reshape(tokens, self.num_heads * self.head_dim), (self.o_proj,), residual=x)
         return x
 

@@ -1,10 +1,10 @@
 """Step 06's paged-attention context with fewer, larger kernels per layer (`--fused-ops`).
 
 The model asks its forward context for its projections (each with the RMSNorm before it or the residual add
-after it), the heads' RMSNorm, RoPE and the gated activation (`common/model.py`); the defaults are plain
-PyTorch. This context answers with one matrix multiply for the projections that share an input
-(`packed_projections.py`) and one Triton kernel for each element-wise chain (`fused_kernels.py`), for the
-decode graphs. The kernel that adds a projection to the residual stream also makes the stream ready for the
+after it), the heads' RMSNorm, RoPE together with attention, and the gated activation (`common/model.py`);
+the defaults are plain PyTorch. This context answers with one matrix multiply for the projections that
+share an input (`packed_projections.py`) and one Triton kernel for each element-wise chain
+(`fused_kernels.py`), for the decode graphs; RoPE's kernel also writes K and V into the cache. The kernel that adds a projection to the residual stream also makes the stream ready for the
 norm that reads it next (`PreparedNorm`): the add-and-norm kernel past 16 rows, and up to 16 rows the skinny
 matrix multiply itself, so that no norm kernel runs there at all.
 """
@@ -49,9 +49,14 @@ class FusedOpsForward(PagedAttentionForward):
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return fused_kernels.rms_norm(x, norm.weight, norm.eps, pdl=self.pdl)
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        return fused_kernels.rotate(q, k, cos, sin, pdl=self.pdl)
+    def rotate_and_attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.meta.is_prefill:  # the graphs only decode; a prefill keeps step 06's path
+            return super().rotate_and_attend(layer_idx, q, k, v, cos, sin)
+        k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        q = fused_kernels.rotate_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, self.meta.slot_mapping,
+                                              pdl=self.pdl)
+        return self.backend.decode(q, k_cache, v_cache, self.meta)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return fused_kernels.silu_mul(gate, up, pdl=self.pdl)

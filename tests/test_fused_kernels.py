@@ -53,21 +53,31 @@ def test_add_rms_norm(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("packed", [False, True])
-def test_rotate_matches_apply_rope(dtype: torch.dtype, packed: bool) -> None:
+def test_rotate_and_write_kv_matches_apply_rope(dtype: torch.dtype, packed: bool) -> None:
     config = tiny_config("qwen2")
     rope = RotaryEmbedding(config, DEVICE)
     positions = torch.tensor([0, 7, 3, 120, 55], device=DEVICE)
     cos, sin = rope.lookup(positions, dtype)
     dim = config.head_dim
     if packed:  # column slices of one q/k/v projection, as step 12's packed projections return them
-        q, k, _ = torch.randn(5, 10 * dim, device=DEVICE, dtype=dtype).split([6 * dim, 2 * dim, 2 * dim], dim=-1)
-        q, k = q.view(5, 6, dim), k.view(5, 2, dim)
+        q, k, v = torch.randn(5, 10 * dim, device=DEVICE, dtype=dtype).split([6 * dim, 2 * dim, 2 * dim], dim=-1)
+        q, k, v = q.view(5, 6, dim), k.view(5, 2, dim), v.view(5, 2, dim)
     else:
         q = torch.randn(5, 6, dim, device=DEVICE, dtype=dtype)
-        k = torch.randn(5, 2, dim, device=DEVICE, dtype=dtype)
-    q_out, k_out = fused_kernels.rotate(q, k, cos, sin)
+        k, v = torch.randn(2, 5, 2, dim, device=DEVICE, dtype=dtype)
+    k_cache, v_cache = torch.randn(2, 6, 4, 2, dim, device=DEVICE, dtype=dtype)  # 6 blocks of 4 slots
+    slots = torch.tensor([17, 2, 9, 23, 4], device=DEVICE, dtype=torch.int32)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    q_out = fused_kernels.rotate_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
     torch.testing.assert_close(q_out, apply_rope(q, cos, sin), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    torch.testing.assert_close(k_out, apply_rope(k, cos, sin), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    written = slots.long()
+    torch.testing.assert_close(k_cache.view(24, 2, dim)[written], apply_rope(k, cos, sin), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+    assert torch.equal(v_cache.view(24, 2, dim)[written], v)
+    untouched = torch.ones(24, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False  # every other slot keeps what it held
+    assert torch.equal(k_cache.view(24, 2, dim)[untouched], k_before.view(24, 2, dim)[untouched])
+    assert torch.equal(v_cache.view(24, 2, dim)[untouched], v_before.view(24, 2, dim)[untouched])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
