@@ -218,10 +218,13 @@ class CausalLM(nn.Module):
             x = layer(x, ctx, rope)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext | None = None, float32: bool = True
+                       ) -> torch.Tensor:
         """Float32 logits for the rows we sample from (usually each request's last token only): the final norm
-        and the head's projection, asked of `ctx` if given."""
+        and the head's projection, asked of `ctx` if given. `float32=False` leaves them in the model's dtype,
+        which is all a greedy argmax needs: widening is exact, so it picks the same token without a copy."""
         if ctx is None:
-            return self.lm_head(self.model.norm(hidden)).float()
-        (logits,) = ctx.project(hidden, (self.lm_head,), self.model.norm)
-        return logits.float()
+            logits = self.lm_head(self.model.norm(hidden))
+        else:
+            (logits,) = ctx.project(hidden, (self.lm_head,), self.model.norm)
+        return logits.float() if float32 else logits

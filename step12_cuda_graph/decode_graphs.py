@@ -189,7 +189,7 @@ class DecodeGraphs:
         previous = s.previous_rows[:bucket]
         input_ids = torch.where(previous >= 0, self.tokens[previous.clamp(min=0)], s.input_ids[:bucket])
         ctx = self.make_context(meta, positions)
-        logits = self.model.compute_logits(self.model(input_ids, ctx), ctx)
+        logits = self.model.compute_logits(self.model(input_ids, ctx), ctx, float32=sampled)
         if sampled:
             rows = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:bucket] for f in fields(SamplingTensors)})
             self.tokens[:bucket] = sample_rows(logits, rows)
