@@ -157,14 +157,8 @@ class DecodeGraphs:
         vocab = self.model.config.vocab_size
         self.sampling = SamplingTensors.build([_PAD_PARAMS] * self.max_batch, [0] * self.max_batch, vocab, self.device)
         self.tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
-        # The longest sequence each bucket's graphs are captured for: SHORT_CONTEXT where the backend would
-        # split it differently from the longest context allowed, then that context.
-        kv_heads = model.config.num_kv_heads
-        self.frozen_lens = {
-            bucket: [*([SHORT_CONTEXT] if SHORT_CONTEXT < max_model_len and backend.num_splits(
-                bucket, kv_heads, SHORT_CONTEXT) != backend.num_splits(bucket, kv_heads, max_model_len) else []),
-                     max_model_len]
-            for bucket in self.buckets}
+        # The longest sequence each bucket's graphs are captured for, shortest first.
+        self.frozen_lens = {bucket: self.lengths_to_capture(bucket) for bucket in self.buckets}
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
@@ -249,6 +243,16 @@ class DecodeGraphs:
         else:
             self.forward(bucket, sampled, max(seq_lens))
         return PendingTokens(self.tokens[:n])
+
+    def lengths_to_capture(self, bucket: int) -> list[int]:
+        """The longest context allowed, and before it SHORT_CONTEXT where the backend would split a batch of
+        that length differently (a graph fixes the split count, so it needs a graph of its own)."""
+        kv_heads = self.model.config.num_kv_heads
+        splits = self.backend.num_splits
+        if SHORT_CONTEXT < self.max_model_len and (splits(bucket, kv_heads, SHORT_CONTEXT)
+                                                   != splits(bucket, kv_heads, self.max_model_len)):
+            return [SHORT_CONTEXT, self.max_model_len]
+        return [self.max_model_len]
 
     def frozen_len_for(self, bucket: int, longest: int) -> int:
         """The shortest length the bucket's graphs are captured for that holds a sequence of `longest`."""
