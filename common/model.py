@@ -56,6 +56,11 @@ class ForwardContext(ABC):
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
 
+    def embed(self, embedding: nn.Embedding, input_ids: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The embedding rows of `input_ids`: the residual stream that the first layer reads through `norm`
+        (named, so that a context can make the rows ready for it as it looks them up)."""
+        return embedding(input_ids)
+
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim]."""
@@ -212,7 +217,7 @@ class CausalLM(nn.Module):
         """The residual stream after the last layer, one row per input token: [num_tokens, hidden_size]. The
         final norm is applied by `compute_logits`, to the rows sampled from."""
         assert self.rope is not None, "call prepare(device) after loading the weights"
-        x = self.model.embed_tokens(input_ids)
+        x = ctx.embed(self.model.embed_tokens, input_ids, self.model.layers[0].input_layernorm)
         rope = self.rope.lookup(ctx.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, ctx, rope)

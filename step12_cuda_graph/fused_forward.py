@@ -4,9 +4,10 @@ The model asks its forward context for its projections (each with the RMSNorm be
 after it), the heads' RMSNorm, RoPE together with attention, and the gated activation (`common/model.py`);
 the defaults are plain PyTorch. This context answers with one matrix multiply for the projections that
 share an input (`packed_projections.py`) and one Triton kernel for each element-wise chain
-(`fused_kernels.py`), for the decode graphs; RoPE's kernel also writes K and V into the cache. The kernel that adds a projection to the residual stream also makes the stream ready for the
-norm that reads it next (`PreparedNorm`): the add-and-norm kernel past 16 rows, and up to 16 rows the skinny
-matrix multiply itself, so that no norm kernel runs there at all.
+(`fused_kernels.py`), for the decode graphs; RoPE's kernel also writes K and V into the cache. The kernel
+that adds a projection to the residual stream also makes the stream ready for the norm that reads it next
+(`PreparedNorm`): the add-and-norm kernel past 16 rows, and up to 16 rows the skinny matrix multiply itself,
+and before the first layer the embedding lookup, so that no norm kernel runs there at all.
 """
 
 from __future__ import annotations
@@ -43,11 +44,18 @@ class FusedOpsForward(PagedAttentionForward):
             return packed(x)
         prepared = self.prepared.pop(id(x), None)
         if prepared is None or prepared.norm is not norm:
-            return packed(self.rms_norm(norm, x))  # the embeddings, before the first layer: a norm kernel
+            return packed(self.rms_norm(norm, x))  # embeddings the multiply cannot normalise: a norm kernel
         return packed(x, prepared)
 
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return fused_kernels.rms_norm(x, norm.weight, norm.eps, pdl=self.pdl)
+
+    def embed(self, embedding: nn.Embedding, input_ids: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        if not self.packed.normalises_in_matmul(input_ids.shape[0]):
+            return super().embed(embedding, input_ids, norm)
+        stream, scaled, squares = fused_kernels.embed_for_norm(input_ids, embedding.weight, norm.weight, self.pdl)
+        self.prepared[id(stream)] = PreparedNorm(stream, norm, scaled=scaled, squares=squares)
+        return stream
 
     def rotate_and_attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

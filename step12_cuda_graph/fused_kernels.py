@@ -7,7 +7,8 @@ graph, pays a fixed cost of a few microseconds; a 7B model runs these chains 28 
 chain is one kernel that reads its inputs once, computes in float32 and writes once. Rounding happens once at
 the end instead of after every operation, so in bfloat16 results can differ from PyTorch's in the last bit.
 RoPE goes further: the kernel that rotates k also writes it, and v, into the KV cache, which saves step 06's
-KV-write kernel.
+KV-write kernel. And the embedding lookup leaves its rows ready for the first layer's norm, as the skinny
+matrix multiply leaves the residual stream for every later one, so that no norm kernel runs in a step.
 
 On a machine without a GPU, set TRITON_INTERPRET=1 to run them on CPU tensors (the tests do).
 """
@@ -74,6 +75,37 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, ep
     _add_rms_norm_kernel[(tokens,)](x, update, weight, total, out, n, eps, BLOCK=triton.next_power_of_2(n),
                                     PDL=pdl, launch_pdl=pdl)
     return total, out
+
+
+@triton.jit
+def _embed_for_norm_kernel(IDS, TABLE, NORM_W, STREAM, SCALED, SQUARES, stride_table, n, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    token = tl.load(IDS + row).to(tl.int64)
+    x = tl.load(TABLE + token * stride_table + cols, mask=mask, other=0.0)
+    tl.store(STREAM + row * n + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    tl.store(SQUARES + row, tl.sum(x * x, axis=0))
+    w = tl.load(NORM_W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(SCALED + row * n + cols, (x * w).to(SCALED.dtype.element_ty), mask=mask)
+
+
+def embed_for_norm(input_ids: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor, pdl: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The embedding rows of `input_ids` [tokens], made ready for the RMSNorm that reads them next, in one
+    launch: (stream, scaled, squares) as the skinny matrix multiply leaves them after a residual add
+    (`skinny_matmul.skinny_linear_add`): the rows, the rows times the norm's weight, and each row's sum of
+    squares ([tokens, 1], float32), from which the projection after the norm divides by the root mean square."""
+    tokens, n = input_ids.shape[0], table.shape[1]
+    stream = torch.empty((tokens, n), dtype=table.dtype, device=table.device)
+    scaled = torch.empty_like(stream)
+    squares = torch.empty((tokens, 1), dtype=torch.float32, device=table.device)
+    _embed_for_norm_kernel[(tokens,)](input_ids, table, norm_weight, stream, scaled, squares, table.stride(0), n,
+                                      BLOCK=triton.next_power_of_2(n), PDL=pdl, launch_pdl=pdl)
+    return stream, scaled, squares
 
 
 @triton.jit

@@ -31,9 +31,9 @@ class PreparedNorm:
     """A residual stream, made ready for the RMSNorm that reads it next by the kernel that wrote it.
 
     Past `MAX_ROWS` rows that kernel is the add-and-norm kernel, and `normed` is norm(stream). Up to
-    `MAX_ROWS` it is the skinny matrix multiply that added its projection to the stream: `scaled` is the
-    stream times the norm's weight and `squares` each row's sum of squares in parts, so the next projection
-    normalises as it multiplies, and no norm kernel runs at all."""
+    `MAX_ROWS` it is the skinny matrix multiply that added its projection to the stream (or, before the first
+    layer, the embedding lookup): `scaled` is the stream times the norm's weight and `squares` each row's sum
+    of squares in parts, so the next projection normalises as it multiplies, and no norm kernel runs at all."""
 
     stream: torch.Tensor
     norm: RMSNorm
@@ -122,6 +122,7 @@ class PackedProjections:
 
     def __init__(self, model: CausalLM, skinny: bool = False, pdl: bool = False) -> None:
         self.packed: dict[tuple[nn.Linear, ...], PackedLinear] = {}
+        self.skinny = skinny
         layers = model.model.layers
         for i, layer in enumerate(layers):
             attention, mlp = layer.self_attn, layer.mlp
@@ -131,6 +132,11 @@ class PackedProjections:
                                         ((mlp.gate_proj, mlp.up_proj), None), ((mlp.down_proj,), next_norm)):
                 self.packed[linears] = PackedLinear(linears, skinny, pdl, norm_after)
         self.packed[(model.lm_head,)] = PackedLinear((model.lm_head,), skinny, pdl)
+
+    def normalises_in_matmul(self, rows: int) -> bool:
+        """Whether a projection of `rows` rows takes its input as a `PreparedNorm`'s scaled rows and sums of
+        squares (the skinny matrix multiply), so that no norm kernel is needed before it."""
+        return self.skinny and rows <= MAX_ROWS
 
     def __getitem__(self, linears: tuple[nn.Linear, ...]) -> PackedLinear:
         packed = self.packed.get(linears)

@@ -21,6 +21,7 @@ from common.sampling import SamplingParams  # noqa: E402
 from step01_serial.engine import SerialEngine  # noqa: E402
 from step12_cuda_graph import fused_kernels  # noqa: E402
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig  # noqa: E402
+from step12_cuda_graph.skinny_matmul import skinny_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -49,6 +50,23 @@ def test_add_rms_norm(dtype: torch.dtype) -> None:
     total, normed = fused_kernels.add_rms_norm(x, update, norm.weight, norm.eps)
     assert torch.equal(total, x + update)  # one rounding of an exact float32 sum: the same as PyTorch's
     torch.testing.assert_close(normed, norm(x + update), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embed_for_norm_leaves_the_rows_ready_for_the_norm(dtype: torch.dtype) -> None:
+    embedding = torch.nn.Embedding(50, 96).to(DEVICE, dtype)
+    norm = RMSNorm(96, 1e-6).to(DEVICE, dtype)
+    norm.weight.data.normal_(1.0, 0.1)
+    ids = torch.tensor([7, 0, 49, 7, 3], device=DEVICE, dtype=torch.int32)  # a repeat and both ends
+    stream, scaled, squares = fused_kernels.embed_for_norm(ids, embedding.weight, norm.weight)
+    rows = embedding(ids.long())
+    assert torch.equal(stream, rows)
+    assert torch.equal(scaled, (rows.float() * norm.weight.float()).to(dtype))
+    torch.testing.assert_close(squares[:, 0], rows.float().square().sum(dim=1), atol=1e-4, rtol=1e-5)
+    # What the first projection makes of them (`skinny_linear` with the squares) is the projection of norm(rows).
+    weight = torch.randn(40, 96, device=DEVICE, dtype=dtype)
+    projected = skinny_linear(scaled, weight, squares=squares, eps=norm.eps)
+    torch.testing.assert_close(projected, F.linear(norm(rows), weight), atol=4 * TOLERANCE[dtype], rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
