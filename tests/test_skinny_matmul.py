@@ -81,7 +81,8 @@ def test_skinny_linear_add_makes_the_next_norm_ready(dtype: torch.dtype, rows: i
 def test_skinny_projections_match_the_layers(model_name: str) -> None:
     """A layer's projections as the fused context runs them, each add made ready for the norm after it: at a
     decode batch (the skinny kernel, no norm kernel) and past MAX_ROWS (cuBLAS and the add-and-norm kernel).
-    The last layer, so that its down projection is made ready for the final norm and the output head."""
+    The last layer, so that its down projection is made ready for the final norm and the output head (its
+    logits, and at a decode batch its greedy tokens)."""
     model = load_model(model_name, device=DEVICE).model
     layer = model.model.layers[-1]
     attention, mlp = layer.self_attn, layer.mlp
@@ -108,6 +109,8 @@ def test_skinny_projections_match_the_layers(model_name: str) -> None:
         assert prepared.norm is model.model.norm
         (logits,) = packed[model.lm_head,](prepared.stream, prepared)
         torch.testing.assert_close(logits, model.lm_head(model.model.norm(stream)), atol=1e-4, rtol=1e-5)
+        if rows <= MAX_ROWS:  # the greedy tokens, from the same kernel without the logits
+            assert torch.equal(packed[model.lm_head,].argmax(prepared.stream, prepared), logits.argmax(dim=-1))
 
 
 def argmax_state_is_empty(state: ArgmaxState) -> bool:
