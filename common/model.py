@@ -77,6 +77,13 @@ class ForwardContext(ABC):
         """The gated MLP's activation: silu(gate) * up."""
         return F.silu(gate) * up
 
+    def greedy_tokens(self, x: torch.Tensor, head: nn.Linear, norm: RMSNorm) -> torch.Tensor:
+        """Each row's greedy token: the argmax of head(norm(x)). Asked for as a token, not as logits, so that a
+        context can find it inside the head's matrix multiply. The logits stay in the model's dtype: widening
+        them to float32 is exact, so the token would be the same."""
+        (logits,) = self.project(x, (head,), norm)
+        return logits.argmax(dim=-1)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -223,13 +230,17 @@ class CausalLM(nn.Module):
             x = layer(x, ctx, rope)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext | None = None, float32: bool = True
-                       ) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         """Float32 logits for the rows we sample from (usually each request's last token only): the final norm
-        and the head's projection, asked of `ctx` if given. `float32=False` leaves them in the model's dtype,
-        which is all a greedy argmax needs: widening is exact, so it picks the same token without a copy."""
+        and the head's projection, asked of `ctx` if given."""
         if ctx is None:
-            logits = self.lm_head(self.model.norm(hidden))
-        else:
-            (logits,) = ctx.project(hidden, (self.lm_head,), self.model.norm)
-        return logits.float() if float32 else logits
+            return self.lm_head(self.model.norm(hidden)).float()
+        (logits,) = ctx.project(hidden, (self.lm_head,), self.model.norm)
+        return logits.float()
+
+    def greedy_tokens(self, hidden: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """The argmax of each row's logits, where every row is greedy: asked of `ctx` if given, which may
+        find it without making the logits at all (step 12 does, inside the head's matrix multiply)."""
+        if ctx is None:
+            return self.lm_head(self.model.norm(hidden)).argmax(dim=-1)
+        return ctx.greedy_tokens(hidden, self.lm_head, self.model.norm)

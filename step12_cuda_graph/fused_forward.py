@@ -1,13 +1,15 @@
 """Step 06's paged-attention context with fewer, larger kernels per layer (`--fused-ops`).
 
 The model asks its forward context for its projections (each with the RMSNorm before it or the residual add
-after it), the heads' RMSNorm, RoPE together with attention, and the gated activation (`common/model.py`);
-the defaults are plain PyTorch. This context answers with one matrix multiply for the projections that
-share an input (`packed_projections.py`) and one Triton kernel for each element-wise chain
+after it), the heads' RMSNorm, RoPE together with attention, the gated activation and the greedy tokens
+(`common/model.py`); the defaults are plain PyTorch. This context answers with one matrix multiply for the
+projections that share an input (`packed_projections.py`) and one Triton kernel for each element-wise chain
 (`fused_kernels.py`), for the decode graphs; RoPE's kernel also writes K and V into the cache. The kernel
 that adds a projection to the residual stream also makes the stream ready for the norm that reads it next
 (`PreparedNorm`): the add-and-norm kernel past 16 rows, and up to 16 rows the skinny matrix multiply itself,
-and before the first layer the embedding lookup, so that no norm kernel runs there at all.
+and before the first layer the embedding lookup, so that no norm kernel runs there at all. Up to 16 rows, a
+greedy step's output head returns the tokens from its skinny multiply (`greedy_tokens`): no logits are
+written for another kernel to search.
 """
 
 from __future__ import annotations
@@ -42,10 +44,21 @@ class FusedOpsForward(PagedAttentionForward):
             return (prepared.stream,)
         if norm is None:
             return packed(x)
+        return packed(*self.ready_for(norm, x))
+
+    def greedy_tokens(self, x: torch.Tensor, head: nn.Linear, norm: RMSNorm) -> torch.Tensor:
+        packed = self.packed[(head,)]
+        if not packed.runs_skinny(x):
+            return super().greedy_tokens(x, head, norm)
+        return packed.argmax(*self.ready_for(norm, x))  # the tokens, from the head's kernel: no logits
+
+    def ready_for(self, norm: RMSNorm, x: torch.Tensor) -> tuple[torch.Tensor, PreparedNorm | None]:
+        """x and what a projection needs to take norm(x): the stream as the kernel that wrote it made it ready
+        for this norm, or else norm(x) from a norm kernel."""
         prepared = self.prepared.pop(id(x), None)
         if prepared is None or prepared.norm is not norm:
-            return packed(self.rms_norm(norm, x))  # embeddings the multiply cannot normalise: a norm kernel
-        return packed(x, prepared)
+            return self.rms_norm(norm, x), None  # embeddings the multiply cannot normalise: a norm kernel
+        return x, prepared
 
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return fused_kernels.rms_norm(x, norm.weight, norm.eps, pdl=self.pdl)

@@ -9,7 +9,7 @@ very same numbers.
 
 The single projections (o, down, the output head) are held here too, as packs of one, so that at small
 batch sizes every projection can go through the skinny matrix multiply (`skinny_matmul.py`) instead of
-cuBLAS.
+cuBLAS. For a greedy step the head's pack returns the tokens themselves (`PackedLinear.argmax`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from torch import nn
 
 from common.model import CausalLM, RMSNorm
 from step12_cuda_graph import fused_kernels
-from step12_cuda_graph.skinny_matmul import (MAX_ROWS, SkinnyConfig, device_limits, skinny_config, skinny_linear,
-                                             skinny_linear_add)
+from step12_cuda_graph.skinny_matmul import (MAX_ROWS, ArgmaxState, SkinnyConfig, device_limits, skinny_config,
+                                             skinny_linear, skinny_linear_add, skinny_linear_argmax)
 
 
 @dataclass
@@ -62,6 +62,7 @@ class PackedLinear:
                                         **device_limits(self.weight.device))
         self.pdl = pdl  # the Triton kernels launched with programmatic dependent launch
         self.norm_after = norm_after
+        self.argmax_state: ArgmaxState | None = None  # made by the first `argmax`; kept: graphs hold its address
 
     def runs_skinny(self, x: torch.Tensor) -> bool:
         return self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS
@@ -78,6 +79,20 @@ class PackedLinear:
         # The parts come back as column slices of one output: each token's row of a part is contiguous,
         # consecutive tokens are a packed row apart. The kernels that read them take that stride.
         return out.split(self.sizes, dim=-1)
+
+    def argmax(self, x: torch.Tensor, prepared: PreparedNorm | None = None) -> torch.Tensor:
+        """Each row's argmax of this projection (a pack of one: the output head) of x, or with `prepared` of
+        that norm of x, found by the skinny kernel without writing the outputs; for inputs that run skinny."""
+        if len(self.sizes) != 1 or not self.runs_skinny(x):
+            raise ValueError("argmax takes a pack of one, packed with skinny=True, and inputs that run skinny")
+        if self.argmax_state is None:  # at the first call, which `DecodeGraphs` runs eagerly before it captures
+            self.argmax_state = ArgmaxState(x.device)
+        if prepared is not None and prepared.normed is not None:  # made ready by the add-and-norm kernel
+            x, prepared = prepared.normed, None
+        if prepared is None:
+            return skinny_linear_argmax(x, self.weight, self.bias, self.skinny, self.pdl, state=self.argmax_state)
+        return skinny_linear_argmax(prepared.scaled, self.weight, self.bias, self.skinny, self.pdl, prepared.squares,
+                                    prepared.norm.eps, self.argmax_state)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_skinny(x):

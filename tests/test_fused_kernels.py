@@ -136,10 +136,10 @@ def test_fused_ops_need_the_graph_path() -> None:
                     reason="programmatic dependent launch needs a GPU of compute capability 9.0 or later (none here)")
 def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
     """A chain where each kernel reads the output of the one launched just before it, step 06's attention
-    kernels among them: with programmatic dependent launch every kernel must wait for its predecessor, so
-    the results are bit for bit those of ordinary launches."""
+    kernels and the output head's argmax among them: with programmatic dependent launch every kernel must wait
+    for its predecessor, so the results are bit for bit those of ordinary launches."""
     from step06_paged_attention import triton_kernels
-    from step12_cuda_graph.skinny_matmul import skinny_linear
+    from step12_cuda_graph.skinny_matmul import ArgmaxState, skinny_linear, skinny_linear_argmax
 
     x = torch.randn(8, 3584, device=DEVICE, dtype=torch.bfloat16)
     update = torch.randn_like(x)
@@ -152,6 +152,8 @@ def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
     seq_lens = torch.randint(10, 65, (8,), device=DEVICE, dtype=torch.int32)
     last = (seq_lens - 1).long()
     slots = (block_table.gather(1, (last // 16)[:, None]).squeeze(1).long() * 16 + last % 16).int()
+    head = torch.randn(32000, 1024, device=DEVICE, dtype=torch.bfloat16) * 1024**-0.5
+    argmax_state = ArgmaxState(DEVICE)
 
     def chain(pdl: bool) -> list[torch.Tensor]:
         total, normed = fused_kernels.add_rms_norm(x, update, norm_weight, 1e-6, pdl=pdl)
@@ -165,8 +167,9 @@ def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
                                                 arrived=arrived, pdl=pdl).reshape(8, 1024)
                     for splits in (2, 16)]  # merged inside the decode kernel, and by a kernel of their own
         gated = fused_kernels.silu_mul(attended[0], attended[1], pdl=pdl)
-        return [total, normed, projected, k_cache, *attended, gated,
-                fused_kernels.rms_norm(gated, norm_weight[:1024], 1e-6, pdl=pdl)]
+        final = fused_kernels.rms_norm(gated, norm_weight[:1024], 1e-6, pdl=pdl)
+        tokens = skinny_linear_argmax(final, head, pdl=pdl, state=argmax_state)  # counts in on kept buffers
+        return [total, normed, projected, k_cache, *attended, gated, final, tokens]
 
     expected = chain(pdl=False)
     for _ in range(3):
