@@ -21,6 +21,7 @@ from common.model import RMSNorm
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend, AttentionMetadata
 from step06_paged_attention.engine import PagedAttentionForward
+from step06_paged_attention.triton_kernels import MERGE_IN_KERNEL_MAX_SPLITS
 from step12_cuda_graph import fused_kernels
 from step12_cuda_graph.packed_projections import PackedProjections, PreparedNorm
 
@@ -75,8 +76,12 @@ class FusedOpsForward(PagedAttentionForward):
         if self.meta.is_prefill:  # the graphs only decode; a prefill keeps step 06's path
             return super().rotate_and_attend(layer_idx, q, k, v, cos, sin)
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        # With PDL, the decode kernel is placed while this one still runs only where that was measured to pay
+        # (H200, results/step12_cuda_graph/profile-...-decode-early-*.json): a decode kernel that merges its
+        # own splits gained about 0.03 ms a step at batch 8; one followed by the merge kernel lost 0.1 ms.
+        splits = self.backend.num_splits(q.shape[0], k_cache.shape[2], self.meta.max_seq_len)
         q = fused_kernels.rotate_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, self.meta.slot_mapping,
-                                              pdl=self.pdl)
+                                              pdl=self.pdl, decode_early=splits <= MERGE_IN_KERNEL_MAX_SPLITS)
         return self.backend.decode(q, k_cache, v_cache, self.meta)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -111,8 +111,9 @@ def embed_for_norm(input_ids: torch.Tensor, table: torch.Tensor, norm_weight: to
 @triton.jit
 def _rope_and_kv_write_kernel(Q, K, V, COS, SIN, Q_OUT, K_CACHE, V_CACHE, SLOTS, stride_qt, stride_qh,
                               stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_slot,
-                              HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                              HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
+                              DECODE_EARLY: tl.constexpr):
+    wait_for_previous_kernel(PDL, DECODE_EARLY)
     t = tl.program_id(0)
     h = tl.program_id(1)  # the query heads first, then the key/value heads
     d = tl.arange(0, HALF)
@@ -141,19 +142,20 @@ def _rope_and_kv_write_kernel(Q, K, V, COS, SIN, Q_OUT, K_CACHE, V_CACHE, SLOTS,
 
 
 def rotate_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, pdl: bool = False
-                        ) -> torch.Tensor:
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, pdl: bool = False,
+                        decode_early: bool = True) -> torch.Tensor:
     """RoPE on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim], and each token's rotated k and
     its v written to its slot of one layer's caches [num_blocks, block_size, kv_heads, head_dim], in one
     launch: step 06's KV write and the RoPE kernel in one. cos and sin are [tokens, 1, head_dim]; each
-    head's vector must be contiguous. Returns the rotated q, a new contiguous tensor."""
+    head's vector must be contiguous. Returns the rotated q, a new contiguous tensor. With `pdl`, the
+    kernel after it (the decode kernel) is placed early unless `decode_early` is off."""
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _rope_and_kv_write_kernel[(tokens, heads + kv_heads)](
         q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), cos.stride(0), kv_heads * head_dim,
-        HEADS=heads, HALF=head_dim // 2, PDL=pdl, launch_pdl=pdl,
+        HEADS=heads, HALF=head_dim // 2, PDL=pdl, DECODE_EARLY=decode_early, launch_pdl=pdl,
     )
     return q_out
 
