@@ -23,7 +23,10 @@ import triton.language as tl
 
 
 @triton.jit
-def wait_for_previous_kernel(PDL: tl.constexpr):
+def wait_for_previous_kernel(PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = True):
+    """With `NEXT_EARLY` off, the kernel after this one is placed only once this one's programs exit (a
+    measured choice where placing it early was slower: `FusedOpsForward.rotate_and_attend`)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if NEXT_EARLY:
+            tl.extra.cuda.gdc_launch_dependents()

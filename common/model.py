@@ -56,14 +56,33 @@ class ForwardContext(ABC):
     def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
 
+    def embed(self, embedding: nn.Embedding, input_ids: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The embedding rows of `input_ids`: the residual stream that the first layer reads through `norm`
+        (named, so that a context can make the rows ready for it as it looks them up)."""
+        return embedding(input_ids)
+
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim]."""
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
+    def rotate_and_attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on q and k, then `attend`: asked for together, so that a context can write the rotated k
+        into its cache as it rotates it."""
+        q, k = self.rotate(q, k, cos, sin)
+        return self.attend(layer_idx, q, k, v)
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The gated MLP's activation: silu(gate) * up."""
         return F.silu(gate) * up
+
+    def greedy_tokens(self, x: torch.Tensor, head: nn.Linear, norm: RMSNorm) -> torch.Tensor:
+        """Each row's greedy token: the argmax of head(norm(x)). Asked for as a token, not as logits, so that a
+        context can find it inside the head's matrix multiply. The logits stay in the model's dtype: widening
+        them to float32 is exact, so the token would be the same."""
+        (logits,) = self.project(x, (head,), norm)
+        return logits.argmax(dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -133,8 +152,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = ctx.rms_norm(self.q_norm, q), ctx.rms_norm(self.k_norm, k)
-        q, k = ctx.rotate(q, k, *rope)
-        out = ctx.attend(self.layer_idx, q, k, v)
+        out = ctx.rotate_and_attend(self.layer_idx, q, k, v, *rope)
         (x,) = ctx.project(out.reshape(tokens, self.num_heads * self.head_dim), (self.o_proj,), residual=x)
         return x
 
@@ -206,7 +224,7 @@ class CausalLM(nn.Module):
         """The residual stream after the last layer, one row per input token: [num_tokens, hidden_size]. The
         final norm is applied by `compute_logits`, to the rows sampled from."""
         assert self.rope is not None, "call prepare(device) after loading the weights"
-        x = self.model.embed_tokens(input_ids)
+        x = ctx.embed(self.model.embed_tokens, input_ids, self.model.layers[0].input_layernorm)
         rope = self.rope.lookup(ctx.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, ctx, rope)
@@ -219,3 +237,10 @@ class CausalLM(nn.Module):
             return self.lm_head(self.model.norm(hidden)).float()
         (logits,) = ctx.project(hidden, (self.lm_head,), self.model.norm)
         return logits.float()
+
+    def greedy_tokens(self, hidden: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """The argmax of each row's logits, where every row is greedy: asked of `ctx` if given, which may
+        find it without making the logits at all (step 12 does, inside the head's matrix multiply)."""
+        if ctx is None:
+            return self.lm_head(self.model.norm(hidden)).argmax(dim=-1)
+        return ctx.greedy_tokens(hidden, self.lm_head, self.model.norm)

@@ -126,9 +126,13 @@ class TritonBackend(AttentionBackend):
         """Split long sequences when batch x KV heads alone would leave most of the GPU idle. Fill one wave
         of about four programs per multiprocessor, never more: the H200 sweep (kernel_bench.py) showed a
         grid just past one wave losing up to a fifth of the bandwidth to its straggling second wave. Each
-        split gets at least one 64-token tile."""
-        one_wave = 4 * self.num_sms // (batch * kv_heads)
-        return max(1, min(one_wave, max_seq_len // 64, 32))
+        split gets at least one 64-token tile, and at least two once there are a quarter as many rows as
+        multiprocessors: a one-tile split then costs more to merge than it saves (same sweep, 7a98687: 16, 32
+        and 64 x 128 ran 3% to 13% faster unsplit than in two splits, 8 x 128 3% faster split)."""
+        rows = batch * kv_heads
+        one_wave = 4 * self.num_sms // rows
+        tokens_per_split = 128 if 4 * rows >= self.num_sms else 64
+        return max(1, min(one_wave, max_seq_len // tokens_per_split, 32))
 
     def write_kv(self, k_cache, v_cache, k, v, meta):
         self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, pdl=self.pdl)

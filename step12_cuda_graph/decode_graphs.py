@@ -131,7 +131,8 @@ class PendingTokens:
 
 class DecodeGraphs:
     """The decode forward (embedding, layers, logits, sampling) on static buffers, captured once per
-    bucket and per sampling mode (greedy-only batches skip the sampler's work), then replayed."""
+    bucket and per sampling mode (greedy-only batches skip the sampler's work and ask the model for tokens,
+    not logits), then replayed."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
                  dummy_block: int, max_batch: int, capture: bool, fused_ops: bool = False,
@@ -183,12 +184,13 @@ class DecodeGraphs:
         previous = s.previous_rows[:bucket]
         input_ids = torch.where(previous >= 0, self.tokens[previous.clamp(min=0)], s.input_ids[:bucket])
         ctx = self.make_context(meta, positions)
-        logits = self.model.compute_logits(self.model(input_ids, ctx), ctx)
+        hidden = self.model(input_ids, ctx)
         if sampled:
+            logits = self.model.compute_logits(hidden, ctx)
             rows = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:bucket] for f in fields(SamplingTensors)})
             self.tokens[:bucket] = sample_rows(logits, rows)
-        else:
-            self.tokens[:bucket] = logits.argmax(dim=-1)
+        else:  # the context may find the tokens without making logits (step 12's skinny head does)
+            self.tokens[:bucket] = self.model.greedy_tokens(hidden, ctx)
 
     def capture_all(self) -> None:
         """Record every bucket's graphs, largest first, all in one memory pool (they never run at once)."""

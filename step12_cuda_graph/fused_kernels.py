@@ -6,6 +6,9 @@ and the gated activation two. Each kernel reads and writes the whole activation 
 graph, pays a fixed cost of a few microseconds; a 7B model runs these chains 28 times per step. Here each
 chain is one kernel that reads its inputs once, computes in float32 and writes once. Rounding happens once at
 the end instead of after every operation, so in bfloat16 results can differ from PyTorch's in the last bit.
+RoPE goes further: the kernel that rotates k also writes it, and v, into the KV cache, which saves step 06's
+KV-write kernel. And the embedding lookup leaves its rows ready for the first layer's norm, as the skinny
+matrix multiply leaves the residual stream for every later one, so that no norm kernel runs in a step.
 
 On a machine without a GPU, set TRITON_INTERPRET=1 to run them on CPU tensors (the tests do).
 """
@@ -75,19 +78,58 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, ep
 
 
 @triton.jit
-def _rope_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
-                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+def _embed_for_norm_kernel(IDS, TABLE, NORM_W, STREAM, SCALED, SQUARES, stride_table, n, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    token = tl.load(IDS + row).to(tl.int64)
+    x = tl.load(TABLE + token * stride_table + cols, mask=mask, other=0.0)
+    tl.store(STREAM + row * n + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    tl.store(SQUARES + row, tl.sum(x * x, axis=0))
+    w = tl.load(NORM_W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(SCALED + row * n + cols, (x * w).to(SCALED.dtype.element_ty), mask=mask)
+
+
+def embed_for_norm(input_ids: torch.Tensor, table: torch.Tensor, norm_weight: torch.Tensor, pdl: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The embedding rows of `input_ids` [tokens], made ready for the RMSNorm that reads them next, in one
+    launch: (stream, scaled, squares) as the skinny matrix multiply leaves them after a residual add
+    (`skinny_matmul.skinny_linear_add`): the rows, the rows times the norm's weight, and each row's sum of
+    squares ([tokens, 1], float32), from which the projection after the norm divides by the root mean square."""
+    tokens, n = input_ids.shape[0], table.shape[1]
+    stream = torch.empty((tokens, n), dtype=table.dtype, device=table.device)
+    scaled = torch.empty_like(stream)
+    squares = torch.empty((tokens, 1), dtype=torch.float32, device=table.device)
+    _embed_for_norm_kernel[(tokens,)](input_ids, table, norm_weight, stream, scaled, squares, table.stride(0), n,
+                                      BLOCK=triton.next_power_of_2(n), PDL=pdl, launch_pdl=pdl)
+    return stream, scaled, squares
+
+
+@triton.jit
+def _rope_and_kv_write_kernel(Q, K, V, COS, SIN, Q_OUT, K_CACHE, V_CACHE, SLOTS, stride_qt, stride_qh,
+                              stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_slot,
+                              HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
+                              DECODE_EARLY: tl.constexpr):
+    wait_for_previous_kernel(PDL, DECODE_EARLY)
     t = tl.program_id(0)
-    h = tl.program_id(1)  # the query heads first, then the key heads
+    h = tl.program_id(1)  # the query heads first, then the key/value heads
     d = tl.arange(0, HALF)
-    # The inputs may be strided (slices of one packed projection); the outputs are contiguous.
+    # The inputs may be strided (slices of one packed projection); q's output is contiguous, and each
+    # token's k and v go to its slot of the cache ([blocks, block_size, kv_heads, head_dim]).
     if h < HEADS:
         src = Q + t * stride_qt + h * stride_qh
         dst = Q_OUT + (t * HEADS + h) * 2 * HALF
     else:
+        slot = tl.load(SLOTS + t).to(tl.int64)
         src = K + t * stride_kt + (h - HEADS) * stride_kh
-        dst = K_OUT + (t * KV_HEADS + h - HEADS) * 2 * HALF
+        dst = K_CACHE + slot * stride_slot + (h - HEADS) * 2 * HALF
+        v_src = V + t * stride_vt + (h - HEADS) * stride_vh
+        v_dst = V_CACHE + slot * stride_slot + (h - HEADS) * 2 * HALF
+        tl.store(v_dst + d, tl.load(v_src + d))
+        tl.store(v_dst + HALF + d, tl.load(v_src + HALF + d))
     x1 = tl.load(src + d).to(tl.float32)
     x2 = tl.load(src + HALF + d).to(tl.float32)
     cos1 = tl.load(COS + t * stride_ct + d).to(tl.float32)
@@ -99,19 +141,23 @@ def _rope_kernel(Q, K, COS, SIN, Q_OUT, K_OUT, stride_qt, stride_qh, stride_kt, 
     tl.store(dst + HALF + d, (x2 * cos2 + x1 * sin2).to(Q_OUT.dtype.element_ty))
 
 
-def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pdl: bool = False
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] in one launch; cos and sin are
-    [tokens, 1, head_dim]. Each head's vector must be contiguous; returns new, contiguous tensors."""
+def rotate_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, pdl: bool = False,
+                        decode_early: bool = True) -> torch.Tensor:
+    """RoPE on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim], and each token's rotated k and
+    its v written to its slot of one layer's caches [num_blocks, block_size, kv_heads, head_dim], in one
+    launch: step 06's KV write and the RoPE kernel in one. cos and sin are [tokens, 1, head_dim]; each
+    head's vector must be contiguous. Returns the rotated q, a new contiguous tensor. With `pdl`, the
+    kernel after it (the decode kernel) is placed early unless `decode_early` is off."""
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    _rope_kernel[(tokens, heads + kv_heads)](
-        q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2, PDL=pdl, launch_pdl=pdl,
+    _rope_and_kv_write_kernel[(tokens, heads + kv_heads)](
+        q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), cos.stride(0), kv_heads * head_dim,
+        HEADS=heads, HALF=head_dim // 2, PDL=pdl, DECODE_EARLY=decode_early, launch_pdl=pdl,
     )
-    return q_out, k_out
+    return q_out
 
 
 @triton.jit

@@ -9,7 +9,7 @@ very same numbers.
 
 The single projections (o, down, the output head) are held here too, as packs of one, so that at small
 batch sizes every projection can go through the skinny matrix multiply (`skinny_matmul.py`) instead of
-cuBLAS.
+cuBLAS. For a greedy step the head's pack returns the tokens themselves (`PackedLinear.argmax`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from torch import nn
 
 from common.model import CausalLM, RMSNorm
 from step12_cuda_graph import fused_kernels
-from step12_cuda_graph.skinny_matmul import (MAX_ROWS, SkinnyConfig, device_limits, skinny_config, skinny_linear,
-                                             skinny_linear_add)
+from step12_cuda_graph.skinny_matmul import (MAX_ROWS, ArgmaxState, SkinnyConfig, device_limits, skinny_config,
+                                             skinny_linear, skinny_linear_add, skinny_linear_argmax)
 
 
 @dataclass
@@ -31,9 +31,9 @@ class PreparedNorm:
     """A residual stream, made ready for the RMSNorm that reads it next by the kernel that wrote it.
 
     Past `MAX_ROWS` rows that kernel is the add-and-norm kernel, and `normed` is norm(stream). Up to
-    `MAX_ROWS` it is the skinny matrix multiply that added its projection to the stream: `scaled` is the
-    stream times the norm's weight and `squares` each row's sum of squares in parts, so the next projection
-    normalises as it multiplies, and no norm kernel runs at all."""
+    `MAX_ROWS` it is the skinny matrix multiply that added its projection to the stream (or, before the first
+    layer, the embedding lookup): `scaled` is the stream times the norm's weight and `squares` each row's sum
+    of squares in parts, so the next projection normalises as it multiplies, and no norm kernel runs at all."""
 
     stream: torch.Tensor
     norm: RMSNorm
@@ -62,6 +62,7 @@ class PackedLinear:
                                         **device_limits(self.weight.device))
         self.pdl = pdl  # the Triton kernels launched with programmatic dependent launch
         self.norm_after = norm_after
+        self.argmax_state: ArgmaxState | None = None  # made by the first `argmax`; kept: graphs hold its address
 
     def runs_skinny(self, x: torch.Tensor) -> bool:
         return self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS
@@ -78,6 +79,20 @@ class PackedLinear:
         # The parts come back as column slices of one output: each token's row of a part is contiguous,
         # consecutive tokens are a packed row apart. The kernels that read them take that stride.
         return out.split(self.sizes, dim=-1)
+
+    def argmax(self, x: torch.Tensor, prepared: PreparedNorm | None = None) -> torch.Tensor:
+        """Each row's argmax of this projection (a pack of one: the output head) of x, or with `prepared` of
+        that norm of x, found by the skinny kernel without writing the outputs; for inputs that run skinny."""
+        if len(self.sizes) != 1 or not self.runs_skinny(x):
+            raise ValueError("argmax takes a pack of one, packed with skinny=True, and inputs that run skinny")
+        if self.argmax_state is None:  # at the first call, which `DecodeGraphs` runs eagerly before it captures
+            self.argmax_state = ArgmaxState(x.device)
+        if prepared is not None and prepared.normed is not None:  # made ready by the add-and-norm kernel
+            x, prepared = prepared.normed, None
+        if prepared is None:
+            return skinny_linear_argmax(x, self.weight, self.bias, self.skinny, self.pdl, state=self.argmax_state)
+        return skinny_linear_argmax(prepared.scaled, self.weight, self.bias, self.skinny, self.pdl, prepared.squares,
+                                    prepared.norm.eps, self.argmax_state)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_skinny(x):
@@ -122,6 +137,7 @@ class PackedProjections:
 
     def __init__(self, model: CausalLM, skinny: bool = False, pdl: bool = False) -> None:
         self.packed: dict[tuple[nn.Linear, ...], PackedLinear] = {}
+        self.skinny = skinny
         layers = model.model.layers
         for i, layer in enumerate(layers):
             attention, mlp = layer.self_attn, layer.mlp
@@ -131,6 +147,11 @@ class PackedProjections:
                                         ((mlp.gate_proj, mlp.up_proj), None), ((mlp.down_proj,), next_norm)):
                 self.packed[linears] = PackedLinear(linears, skinny, pdl, norm_after)
         self.packed[(model.lm_head,)] = PackedLinear((model.lm_head,), skinny, pdl)
+
+    def normalises_in_matmul(self, rows: int) -> bool:
+        """Whether a projection of `rows` rows takes its input as a `PreparedNorm`'s scaled rows and sums of
+        squares (the skinny matrix multiply), so that no norm kernel is needed before it."""
+        return self.skinny and rows <= MAX_ROWS
 
     def __getitem__(self, linears: tuple[nn.Linear, ...]) -> PackedLinear:
         packed = self.packed.get(linears)

@@ -47,6 +47,7 @@ VARIANTS = {"plain": {"fused_ops": False},
             "fused ops, cuBLAS": {"fused_ops": True, "skinny_matmul": False, "pdl": False},
             "fused ops, skinny matmul": {"fused_ops": True, "skinny_matmul": True, "pdl": False},
             "fused ops, skinny matmul, PDL": {"fused_ops": True, "skinny_matmul": True, "pdl": True}}
+VARIANT_SWITCHES = dict(zip(("plain", "cublas", "skinny", "pdl"), VARIANTS))  # the names --variants takes
 
 
 def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, steps: int, variant: str) -> dict:
@@ -117,8 +118,13 @@ def main() -> int:
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--context", type=int, default=160, help="tokens each request holds during the step")
     p.add_argument("--steps", type=int, default=20, help="replays timed, and eager steps profiled (a quarter)")
+    p.add_argument("--variants", default=",".join(VARIANT_SWITCHES),
+                   help=f"which variants to profile, of {','.join(VARIANT_SWITCHES)} (default: all)")
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANT_SWITCHES)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}: choose from {','.join(VARIANT_SWITCHES)}")
     if not torch.cuda.is_available():
         print("error: this profiles CUDA kernels and graphs: run it on a GPU machine", file=sys.stderr)
         return 2
@@ -132,7 +138,7 @@ def main() -> int:
                              weight_read_ceiling_ms=ceiling_ms)
     points = []
     for batch in map(int, args.batches.split(",")):
-        for variant in VARIANTS:
+        for variant in (VARIANT_SWITCHES[name] for name in args.variants.split(",")):
             point = profile_point(loaded, args.model, batch, args.context, args.steps, variant)
             point["replay_vs_ceiling"] = ceiling_ms / point["replay_ms_per_step"]
             points.append(point)

@@ -10,6 +10,11 @@ the bands sized so that every multiprocessor streams its share until the end (`s
 launch per projection adds the bias in the same pass. The rows are padded to 16 inside the kernel (the
 smallest tile a tensor-core `tl.dot` takes); the padding is never loaded from memory.
 
+A greedy decode step needs only the argmax of the output head, so `skinny_linear_argmax` returns that and
+writes no logits: each program finds the best column of its band per row, folds it into one int64 per row
+with an atomic max, and the program that finishes last writes the token ids. The logits are rounded to the
+model's dtype first, so the token is the one PyTorch's argmax would pick from a logits tensor.
+
 On a machine without a GPU, set TRITON_INTERPRET=1 to run it on CPU tensors (the tests do).
 """
 
@@ -71,11 +76,15 @@ def device_limits(device: torch.device) -> dict[str, int]:
     return {"multiprocessors": properties["multiprocessor_count"], "shared_memory": properties["max_shared_mem"]}
 
 
+# What an empty slot of `ArgmaxState.best` holds: lower than any packed (value, column) of a logit.
+LOWEST_INT64 = tl.constexpr(-2**63)
+
+
 @triton.jit
-def _skinny_matmul_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT,
-                          M, N, K, stride_xm, stride_wn, stride_om, num_parts_in, eps,
+def _skinny_matmul_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED,
+                          TOKENS, M, N, K, stride_xm, stride_wn, stride_om, num_parts_in, eps,
                           HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr,
-                          ADD_RESIDUAL: tl.constexpr, IEEE: tl.constexpr,
+                          ADD_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, IEEE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     rows = tl.arange(0, BLOCK_M)
@@ -108,7 +117,29 @@ def _skinny_matmul_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SC
         residual = tl.load(RESIDUAL + rows[:, None] * stride_om + cols[None, :], mask=mask, other=0.0)
         acc = acc.to(OUT.dtype.element_ty).to(tl.float32) + residual.to(tl.float32)
     out = acc.to(OUT.dtype.element_ty)
-    tl.store(OUT + rows[:, None] * stride_om + cols[None, :], out, mask=mask)
+    if ARGMAX:  # each row's greedy token instead of its logits (OUT gives only the dtype they are rounded to)
+        logits = tl.where(col_mask[None, :], out.to(tl.float32), float("-inf"))  # past N: never the best
+        best = tl.max(logits, axis=1)
+        first = tl.min(tl.where(logits == best[:, None], cols[None, :], N), axis=1)  # ties: torch takes the first
+        # One int64 per row whose signed order is the value's, then the lower column: one atomic max then keeps
+        # both. A float's bits, read as an int32, are in order for positive floats and in reverse for negative
+        # ones; flipping all but the sign bit of the negative ones puts them in order too. -0.0 is made 0.0 first,
+        # since the two are equal to torch.argmax and must not differ here.
+        bits = tl.where(best == 0.0, 0.0, best).to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        packed = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - first).to(tl.int64)  # a lower column: larger
+        tl.atomic_max(BEST + rows, packed, mask=row_mask)
+        # Count in; the program that counts in last reads every row's best and writes the tokens, so no
+        # other kernel reduces the bands (step 06's decode kernel merges its splits the same way).
+        tl.debug_barrier()  # every thread's atomics are made before the count says they are
+        if tl.atomic_add(ARRIVED, 1) == tl.num_programs(0) - 1:  # acquire and release: the others' maxima seen
+            # Read and reset in one atomic (at the L2, where the others' atomics were made), so that the next
+            # call, or the next replay of a graph, finds the slots empty again.
+            packed = tl.atomic_xchg(BEST + rows, tl.full((BLOCK_M,), LOWEST_INT64, tl.int64), mask=row_mask)
+            tl.store(TOKENS + rows, 0x7FFFFFFF - (packed & 0x7FFFFFFF), mask=row_mask)
+            tl.store(ARRIVED, 0)
+    else:
+        tl.store(OUT + rows[:, None] * stride_om + cols[None, :], out, mask=mask)
     if ADD_RESIDUAL:  # made ready for the norm that reads the stream next: this band's squares, and the band
         stream = out.to(tl.float32)  # scaled by the norm's weight (columns past N are zeros)
         tl.store(SQUARES_OUT + rows * tl.num_programs(0) + tl.program_id(0), tl.sum(stream * stream, axis=1),
@@ -116,6 +147,17 @@ def _skinny_matmul_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SC
         scale = tl.load(NEXT_NORM_W + cols, mask=col_mask, other=0.0).to(tl.float32)
         tl.store(SCALED + rows[:, None] * stride_om + cols[None, :],
                  (stream * scale[None, :]).to(OUT.dtype.element_ty), mask=mask)
+
+
+class ArgmaxState:
+    """Where the programs of one `skinny_linear_argmax` launch meet: each row's best (value, column) so far,
+    packed in one int64, and the count of programs done. Every launch leaves both as it found them (the lowest
+    int64, 0), so they are made once and kept: a captured CUDA graph holds their addresses, and zeroing them
+    per call would cost it a kernel. One launch at a time: two in flight on different streams would mix."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.best = torch.full((MAX_ROWS,), LOWEST_INT64.value, dtype=torch.int64, device=device)
+        self.arrived = torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -126,22 +168,24 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     With `squares` [rows, parts] (from `skinny_linear_add`), x is a residual stream already scaled by an
     RMSNorm's weight, and each output row is divided by its root mean square: the projection of norm(x).
     `pdl`: launch with programmatic dependent launch (`common/dependent_launch.py`)."""
-    rows, k = x.shape
-    n = weight.shape[0]
-    _check(x, weight)
-    if squares is not None and (squares.shape[0] != rows or not squares.is_contiguous()):
-        raise ValueError(f"squares must be [{rows}, parts] and contiguous, got {tuple(squares.shape)}")
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, bias if bias is not None else weight, out, squares if squares is not None else out,
-        out, weight, out, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        squares.shape[1] if squares is not None else 0, eps,
-        HAS_BIAS=bias is not None, NORMALISE=squares is not None,
-        PARTS_IN=triton.next_power_of_2(squares.shape[1]) if squares is not None else 1, ADD_RESIDUAL=False,
-        IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl, launch_pdl=pdl,
-    )
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _launch(x, weight, out, config, pdl, bias=bias, squares=squares, eps=eps)
     return out
+
+
+def skinny_linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         config: SkinnyConfig = SkinnyConfig(), pdl: bool = False,
+                         squares: torch.Tensor | None = None, eps: float = 0.0, state: ArgmaxState | None = None
+                         ) -> torch.Tensor:
+    """The argmax of each row of `skinny_linear(x, weight, bias, config, pdl, squares, eps)`, as int64 [rows],
+    without the logits: the greedy tokens of an output head. The outputs are compared as rounded to x's dtype,
+    ties going to the lowest column, as `logits.argmax(dim=-1)` picks them. `state`: buffers kept from call to
+    call (a new one if not given, which a CUDA graph must not capture)."""
+    state = ArgmaxState(x.device) if state is None else state
+    tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    # The logits are not written: x stands in for them, with the dtype they are rounded to.
+    _launch(x, weight, x, config, pdl, bias=bias, squares=squares, eps=eps, argmax=state, tokens=tokens)
+    return tokens
 
 
 def skinny_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, next_norm_weight: torch.Tensor,
@@ -152,21 +196,44 @@ def skinny_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Ten
     Returns (stream, scaled, squares): the new residual stream [rows, n]; the stream times the next norm's
     weight, which `skinny_linear` multiplies as it is; and each row's sum of squares in one float32 part per
     program [rows, parts], which `skinny_linear` adds up to normalise its output rows. No norm kernel runs."""
-    rows, k = x.shape
-    n = weight.shape[0]
-    _check(x, weight)
+    rows, n = x.shape[0], weight.shape[0]
     if residual.shape != (rows, n) or not residual.is_contiguous():
         raise ValueError(f"the residual must be [{rows}, {n}] and contiguous, got {tuple(residual.shape)}")
     out, scaled = torch.empty_like(residual), torch.empty_like(residual)
-    programs = triton.cdiv(n, config.block_n)
-    squares = torch.empty((rows, programs), dtype=torch.float32, device=x.device)
-    _skinny_matmul_kernel[(programs,)](
-        x, weight, weight, out, out, residual, next_norm_weight, scaled, squares, rows, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), 0, 0.0, HAS_BIAS=False, NORMALISE=False, PARTS_IN=1, ADD_RESIDUAL=True,
-        IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+    squares = torch.empty((rows, triton.cdiv(n, config.block_n)), dtype=torch.float32, device=x.device)
+    _launch(x, weight, out, config, pdl, residual=residual, next_norm_weight=next_norm_weight, scaled=scaled,
+            squares_out=squares)
+    return out, scaled, squares
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: SkinnyConfig, pdl: bool,
+            bias: torch.Tensor | None = None, squares: torch.Tensor | None = None, eps: float = 0.0,
+            residual: torch.Tensor | None = None, next_norm_weight: torch.Tensor | None = None,
+            scaled: torch.Tensor | None = None, squares_out: torch.Tensor | None = None,
+            argmax: ArgmaxState | None = None, tokens: torch.Tensor | None = None) -> None:
+    """One launch of the kernel, each switch on where its tensors are given (bias; squares: NORMALISE;
+    residual, next_norm_weight, scaled, squares_out: ADD_RESIDUAL; argmax, tokens: ARGMAX). A switch that is
+    off never reads its pointers, so any tensor stands in for them."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    _check(x, weight)
+    if squares is not None and (squares.shape[0] != rows or not squares.is_contiguous()):
+        raise ValueError(f"squares must be [{rows}, parts] and contiguous, got {tuple(squares.shape)}")
+
+    def given(tensor: torch.Tensor | None) -> torch.Tensor:
+        return weight if tensor is None else tensor
+
+    best, arrived = (argmax.best, argmax.arrived) if argmax is not None else (None, None)
+    _skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, given(bias), out, given(squares), given(residual), given(next_norm_weight), given(scaled),
+        given(squares_out), given(best), given(arrived), given(tokens),
+        rows, n, k, x.stride(0), weight.stride(0), out.stride(0), squares.shape[1] if squares is not None else 0,
+        eps, HAS_BIAS=bias is not None, NORMALISE=squares is not None,
+        PARTS_IN=triton.next_power_of_2(squares.shape[1]) if squares is not None else 1,
+        ADD_RESIDUAL=residual is not None, ARGMAX=argmax is not None, IEEE=x.dtype == torch.float32,
+        BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl, launch_pdl=pdl,
     )
-    return out, scaled, squares
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:

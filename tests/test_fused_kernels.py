@@ -21,6 +21,7 @@ from common.sampling import SamplingParams  # noqa: E402
 from step01_serial.engine import SerialEngine  # noqa: E402
 from step12_cuda_graph import fused_kernels  # noqa: E402
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig  # noqa: E402
+from step12_cuda_graph.skinny_matmul import skinny_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -52,22 +53,49 @@ def test_add_rms_norm(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_embed_for_norm_leaves_the_rows_ready_for_the_norm(dtype: torch.dtype) -> None:
+    embedding = torch.nn.Embedding(50, 96).to(DEVICE, dtype)
+    norm = RMSNorm(96, 1e-6).to(DEVICE, dtype)
+    norm.weight.data.normal_(1.0, 0.1)
+    ids = torch.tensor([7, 0, 49, 7, 3], device=DEVICE, dtype=torch.int32)  # a repeat and both ends
+    stream, scaled, squares = fused_kernels.embed_for_norm(ids, embedding.weight, norm.weight)
+    rows = embedding(ids.long())
+    assert torch.equal(stream, rows)
+    assert torch.equal(scaled, (rows.float() * norm.weight.float()).to(dtype))
+    torch.testing.assert_close(squares[:, 0], rows.float().square().sum(dim=1), atol=1e-4, rtol=1e-5)
+    # What the first projection makes of them (`skinny_linear` with the squares) is the projection of norm(rows).
+    weight = torch.randn(40, 96, device=DEVICE, dtype=dtype)
+    projected = skinny_linear(scaled, weight, squares=squares, eps=norm.eps)
+    torch.testing.assert_close(projected, F.linear(norm(rows), weight), atol=4 * TOLERANCE[dtype], rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("packed", [False, True])
-def test_rotate_matches_apply_rope(dtype: torch.dtype, packed: bool) -> None:
+def test_rotate_and_write_kv_matches_apply_rope(dtype: torch.dtype, packed: bool) -> None:
     config = tiny_config("qwen2")
     rope = RotaryEmbedding(config, DEVICE)
     positions = torch.tensor([0, 7, 3, 120, 55], device=DEVICE)
     cos, sin = rope.lookup(positions, dtype)
     dim = config.head_dim
     if packed:  # column slices of one q/k/v projection, as step 12's packed projections return them
-        q, k, _ = torch.randn(5, 10 * dim, device=DEVICE, dtype=dtype).split([6 * dim, 2 * dim, 2 * dim], dim=-1)
-        q, k = q.view(5, 6, dim), k.view(5, 2, dim)
+        q, k, v = torch.randn(5, 10 * dim, device=DEVICE, dtype=dtype).split([6 * dim, 2 * dim, 2 * dim], dim=-1)
+        q, k, v = q.view(5, 6, dim), k.view(5, 2, dim), v.view(5, 2, dim)
     else:
         q = torch.randn(5, 6, dim, device=DEVICE, dtype=dtype)
-        k = torch.randn(5, 2, dim, device=DEVICE, dtype=dtype)
-    q_out, k_out = fused_kernels.rotate(q, k, cos, sin)
+        k, v = torch.randn(2, 5, 2, dim, device=DEVICE, dtype=dtype)
+    k_cache, v_cache = torch.randn(2, 6, 4, 2, dim, device=DEVICE, dtype=dtype)  # 6 blocks of 4 slots
+    slots = torch.tensor([17, 2, 9, 23, 4], device=DEVICE, dtype=torch.int32)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    q_out = fused_kernels.rotate_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
     torch.testing.assert_close(q_out, apply_rope(q, cos, sin), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    torch.testing.assert_close(k_out, apply_rope(k, cos, sin), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    written = slots.long()
+    torch.testing.assert_close(k_cache.view(24, 2, dim)[written], apply_rope(k, cos, sin), atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])
+    assert torch.equal(v_cache.view(24, 2, dim)[written], v)
+    untouched = torch.ones(24, dtype=torch.bool, device=DEVICE)
+    untouched[written] = False  # every other slot keeps what it held
+    assert torch.equal(k_cache.view(24, 2, dim)[untouched], k_before.view(24, 2, dim)[untouched])
+    assert torch.equal(v_cache.view(24, 2, dim)[untouched], v_before.view(24, 2, dim)[untouched])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -108,10 +136,10 @@ def test_fused_ops_need_the_graph_path() -> None:
                     reason="programmatic dependent launch needs a GPU of compute capability 9.0 or later (none here)")
 def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
     """A chain where each kernel reads the output of the one launched just before it, step 06's attention
-    kernels among them: with programmatic dependent launch every kernel must wait for its predecessor, so
-    the results are bit for bit those of ordinary launches."""
+    kernels and the output head's argmax among them: with programmatic dependent launch every kernel must wait
+    for its predecessor, so the results are bit for bit those of ordinary launches."""
     from step06_paged_attention import triton_kernels
-    from step12_cuda_graph.skinny_matmul import skinny_linear
+    from step12_cuda_graph.skinny_matmul import ArgmaxState, skinny_linear, skinny_linear_argmax
 
     x = torch.randn(8, 3584, device=DEVICE, dtype=torch.bfloat16)
     update = torch.randn_like(x)
@@ -124,6 +152,8 @@ def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
     seq_lens = torch.randint(10, 65, (8,), device=DEVICE, dtype=torch.int32)
     last = (seq_lens - 1).long()
     slots = (block_table.gather(1, (last // 16)[:, None]).squeeze(1).long() * 16 + last % 16).int()
+    head = torch.randn(32000, 1024, device=DEVICE, dtype=torch.bfloat16) * 1024**-0.5
+    argmax_state = ArgmaxState(DEVICE)
 
     def chain(pdl: bool) -> list[torch.Tensor]:
         total, normed = fused_kernels.add_rms_norm(x, update, norm_weight, 1e-6, pdl=pdl)
@@ -137,8 +167,9 @@ def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
                                                 arrived=arrived, pdl=pdl).reshape(8, 1024)
                     for splits in (2, 16)]  # merged inside the decode kernel, and by a kernel of their own
         gated = fused_kernels.silu_mul(attended[0], attended[1], pdl=pdl)
-        return [total, normed, projected, k_cache, *attended, gated,
-                fused_kernels.rms_norm(gated, norm_weight[:1024], 1e-6, pdl=pdl)]
+        final = fused_kernels.rms_norm(gated, norm_weight[:1024], 1e-6, pdl=pdl)
+        tokens = skinny_linear_argmax(final, head, pdl=pdl, state=argmax_state)  # counts in on kept buffers
+        return [total, normed, projected, k_cache, *attended, gated, final, tokens]
 
     expected = chain(pdl=False)
     for _ in range(3):

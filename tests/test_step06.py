@@ -14,7 +14,7 @@ from common.prompts import PARITY_PROMPTS
 from common.reference import compare_greedy
 from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
-from step06_paged_attention.backends import create_backend
+from step06_paged_attention.backends import TritonBackend, create_backend
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
 from tests.conftest import PARITY_MAX_TOKENS, step01_tokens
 
@@ -89,6 +89,18 @@ def test_metadata_maps_every_new_token_to_its_slot() -> None:
     assert meta.slot_mapping.tolist() == [2 * 4 + 0, 2 * 4 + 1, 7 * 4 + 0, 7 * 4 + 1, 7 * 4 + 2]
     assert meta.cu_q_lens.tolist() == [0, 2, 5] and meta.block_table.tolist() == [[9, 2], [7, 0]]
     assert meta.max_seq_len == 6 and meta.max_q_len == 3
+
+
+def test_split_counts_fill_one_wave_and_keep_splits_worth_merging() -> None:
+    """The H200's shape (132 multiprocessors) and Qwen2.5-7B's 4 KV heads: the split count the kernel sweep
+    found fastest at each of its points (kernel_bench.py, 7a98687)."""
+    splits = TritonBackend(num_sms=132).num_splits
+    assert [splits(1, 4, n) for n in (128, 512, 2048, 8192)] == [2, 8, 32, 32]  # capped at 32
+    assert [splits(8, 4, n) for n in (128, 512, 2048)] == [2, 8, 16]  # few rows: one-tile splits pay
+    assert [splits(16, 4, n) for n in (128, 512, 2048)] == [1, 4, 8]  # 64 rows: two tiles a split at least
+    assert [splits(32, 4, n) for n in (128, 512, 8192)] == [1, 4, 4]  # one wave: 128 rows x 4 splits
+    assert [splits(64, 4, n) for n in (128, 512, 8192)] == [1, 2, 2]
+    assert splits(256, 4, 8192) == 1  # past one wave already: never split
 
 
 def test_backend_choice_and_clear_refusals() -> None:
