@@ -128,7 +128,7 @@ class TritonBackend(AttentionBackend):
         grid just past one wave losing up to a fifth of the bandwidth to its straggling second wave. Each
         split gets at least one 64-token tile, and at least two once there are a quarter as many rows as
         multiprocessors: a one-tile split then costs more to merge than it saves (same sweep, 7a98687: 16, 32
-        and 64 x 128 ran 3% to 13% faster unsplit than in two splits, 8 x 128 3% faster split)."""
+        and 64 x 128 took 3% to 12% less time unsplit than in two splits, 8 x 128 3% less split)."""
         rows = batch * kv_heads
         one_wave = 4 * self.num_sms // rows
         tokens_per_split = 128 if 4 * rows >= self.num_sms else 64
