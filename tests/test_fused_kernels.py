@@ -136,8 +136,8 @@ def test_fused_ops_need_the_graph_path() -> None:
                     reason="programmatic dependent launch needs a GPU of compute capability 9.0 or later (none here)")
 def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
     """A chain where each kernel reads the output of the one launched just before it, step 06's attention
-    kernels and the output head's argmax among them: with programmatic dependent launch every kernel must wait
-    for its predecessor, so the results are bit for bit those of ordinary launches."""
+    kernels, RoPE writing K/V and the output head's argmax among them: with programmatic dependent launch
+    every kernel must wait for its predecessor, so the results are bit for bit those of ordinary launches."""
     from step06_paged_attention import triton_kernels
     from step12_cuda_graph.skinny_matmul import ArgmaxState, skinny_linear, skinny_linear_argmax
 
@@ -154,6 +154,8 @@ def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
     slots = (block_table.gather(1, (last // 16)[:, None]).squeeze(1).long() * 16 + last % 16).int()
     head = torch.randn(32000, 1024, device=DEVICE, dtype=torch.bfloat16) * 1024**-0.5
     argmax_state = ArgmaxState(DEVICE)
+    angles = torch.rand(8, 1, 128, device=DEVICE) * 6.3
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
 
     def chain(pdl: bool) -> list[torch.Tensor]:
         total, normed = fused_kernels.add_rms_norm(x, update, norm_weight, 1e-6, pdl=pdl)
@@ -166,10 +168,19 @@ def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
         attended = [triton_kernels.paged_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits=splits,
                                                 arrived=arrived, pdl=pdl).reshape(8, 1024)
                     for splits in (2, 16)]  # merged inside the decode kernel, and by a kernel of their own
-        gated = fused_kernels.silu_mul(attended[0], attended[1], pdl=pdl)
+        # Step 12's RoPE writing K/V before the decode kernel, which it lets start early (2 splits, merged
+        # inside the decode kernel) or only once it has exited (16 splits, then the merge kernel).
+        rope_k_cache, rope_v_cache = caches.clone()
+        rotated = []
+        for splits in (2, 16):
+            q_rotated = fused_kernels.rotate_and_write_kv(q, k, v, cos, sin, rope_k_cache, rope_v_cache, slots,
+                                                          pdl=pdl, decode_early=splits == 2)
+            rotated.append(triton_kernels.paged_decode(q_rotated, rope_k_cache, rope_v_cache, block_table, seq_lens,
+                                                       num_splits=splits, arrived=arrived, pdl=pdl).reshape(8, 1024))
+        gated = fused_kernels.silu_mul(rotated[0], rotated[1], pdl=pdl)
         final = fused_kernels.rms_norm(gated, norm_weight[:1024], 1e-6, pdl=pdl)
         tokens = skinny_linear_argmax(final, head, pdl=pdl, state=argmax_state)  # counts in on kept buffers
-        return [total, normed, projected, k_cache, *attended, gated, final, tokens]
+        return [total, normed, projected, k_cache, *attended, rope_k_cache, *rotated, gated, final, tokens]
 
     expected = chain(pdl=False)
     for _ in range(3):
