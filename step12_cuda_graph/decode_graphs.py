@@ -40,8 +40,8 @@ from step06_paged_attention.engine import PagedAttentionForward
 # Padded rows in a sampling batch: greedy, so they never touch the noise; a fixed seed keeps them cheap.
 _PAD_PARAMS = SamplingParams(seed=0)
 
-# Tokens up to which a batch counts as short: step 06's decode kernel then makes at most 4 splits of one
-# 64-token tile each, and merges them inside the kernel, without its merge kernel.
+# Tokens up to which a batch counts as short: step 06's decode kernel then makes at most 4 splits (of at
+# least one 64-token tile each), and merges them inside the kernel, without its merge kernel.
 SHORT_CONTEXT = 256
 
 

@@ -69,13 +69,11 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, prepared: PreparedNorm | None = None) -> tuple[torch.Tensor, ...]:
         """Each part's projection of x; with `prepared` (x made ready for a norm), of that norm of x."""
-        if prepared is None:
+        x, squares, eps = self.input_of(x, prepared)
+        if squares is None:
             out = self.linear(x)
-        elif prepared.normed is not None:
-            out = self.linear(prepared.normed)
         else:
-            out = skinny_linear(prepared.scaled, self.weight, self.bias, self.skinny, self.pdl, prepared.squares,
-                                prepared.norm.eps)
+            out = skinny_linear(x, self.weight, self.bias, self.skinny, self.pdl, squares, eps)
         # The parts come back as column slices of one output: each token's row of a part is contiguous,
         # consecutive tokens are a packed row apart. The kernels that read them take that stride.
         return out.split(self.sizes, dim=-1)
@@ -87,12 +85,19 @@ class PackedLinear:
             raise ValueError("argmax takes a pack of one, packed with skinny=True, and inputs that run skinny")
         if self.argmax_state is None:  # at the first call, which `DecodeGraphs` runs eagerly before it captures
             self.argmax_state = ArgmaxState(x.device)
-        if prepared is not None and prepared.normed is not None:  # made ready by the add-and-norm kernel
-            x, prepared = prepared.normed, None
+        x, squares, eps = self.input_of(x, prepared)
+        return skinny_linear_argmax(x, self.weight, self.bias, self.skinny, self.pdl, squares, eps, self.argmax_state)
+
+    @staticmethod
+    def input_of(x: torch.Tensor, prepared: PreparedNorm | None) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        """What the multiply reads for the projection of x, or of norm(x) with `prepared`: (input, squares,
+        eps). With squares, the input is the stream scaled by the norm's weight, and the multiply divides by
+        the root mean square (the skinny kernel); without, it is x or norm(x) as it stands."""
         if prepared is None:
-            return skinny_linear_argmax(x, self.weight, self.bias, self.skinny, self.pdl, state=self.argmax_state)
-        return skinny_linear_argmax(prepared.scaled, self.weight, self.bias, self.skinny, self.pdl, prepared.squares,
-                                    prepared.norm.eps, self.argmax_state)
+            return x, None, 0.0
+        if prepared.normed is not None:  # made ready by the add-and-norm kernel
+            return prepared.normed, None, 0.0
+        return prepared.scaled, prepared.squares, prepared.norm.eps
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_skinny(x):
