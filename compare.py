@@ -4,14 +4,17 @@
     python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,4,8,32 --repeats 3
 
 One model is loaded once and shared by every step's engine and by the HF generate() baseline, so the
-figures differ only by what the steps do. Writes one JSON evidence file with every run, and its plot next
-to it (the same name with .png, drawn by scripts/plot_compare.py; skipped if matplotlib is not installed).
+figures differ only by what the steps do. Writes one JSON evidence file with every run, by default
+runs/compare/<device>-<model>.json (ignored by git; `--output results/compare/...` replaces committed
+evidence), and its plot next to it (the same name with .png, drawn by scripts/plot_compare.py; skipped if
+matplotlib is not installed).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import torch
 
 from common.bench import (
     Workload,
+    default_output,
     evidence_header,
     fixed_workload,
     format_table,
@@ -27,8 +31,9 @@ from common.bench import (
     run_hf_generate,
     write_evidence,
 )
+from common.cli import CommandLineError, Parser, check_args, fail, parse_names, parse_sizes
 from common.engine import Engine, EngineConfig
-from common.loading import EMBEDDED_MODEL, load_model
+from common.loading import EMBEDDED_MODEL, ModelLoadError, load_model
 from common.reference import hf_model_for
 from step01_serial.engine import SerialEngine
 from step02_paged_kv.engine import PagedEngine, PagedEngineConfig
@@ -53,14 +58,15 @@ def parse_max_batch(specs: list[str]) -> dict[str, int]:
     limits = {}
     for spec in specs:
         name, _, value = spec.partition("=")
-        if name not in STEPS or not value.isdigit():
-            raise SystemExit(f"--max-batch takes STEP=N with STEP one of {', '.join(STEPS)}; got {spec!r}")
+        if name not in STEPS or not value.isdecimal() or int(value) < 1:
+            raise CommandLineError(f"--max-batch takes STEP=N with N at least 1 and STEP one of "
+                                   f"{','.join(STEPS)} (got {spec!r})")
         limits[name] = int(value)
     return limits
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=EMBEDDED_MODEL)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
@@ -78,20 +84,33 @@ def main() -> int:
     p.add_argument("--max-batch", action="append", default=[], metavar="STEP=N",
                    help="skip STEP above batch N (step01 is serial: its tok/s does not change with batch, "
                         "only its run time grows); repeatable")
-    p.add_argument("--output", type=Path, help="evidence file (default results/compare/<device>-<model>.json)")
-    args = p.parse_args()
-    max_batch = parse_max_batch(args.max_batch)
+    p.add_argument("--output", type=Path, help="evidence file (default runs/compare/<device>-<model>.json)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:  # every value checked before the model loads: a bad one is one line and exit code 2
+        check_args(args)
+        steps = parse_names("--steps", args.steps, STEPS)
+        batch_sizes = parse_sizes("--batch-sizes", args.batch_sizes)
+        max_batch = parse_max_batch(args.max_batch)
+    except CommandLineError as err:
+        return fail(err)
 
     base = PagedEngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size)
-    loaded = load_model(args.model, base.resolved_device(), base.resolved_dtype())
+    try:
+        loaded = load_model(args.model, base.resolved_device(), base.resolved_dtype())
+    except ModelLoadError as err:  # an unknown model, a missing folder: what to pass instead, in one line
+        return fail(err)
     hf = None if args.no_hf else hf_model_for(loaded)
     pad = min(loaded.tokenizer.eos_token_ids)
-    workloads = [fixed_workload(int(b), args.prompt_len, args.max_tokens) for b in args.batch_sizes.split(",")]
+    workloads = [fixed_workload(b, args.prompt_len, args.max_tokens) for b in batch_sizes]
     # Size the KV pool once for the largest workload, the same for every paged step.
     longest = max(len(p) + n for w in workloads for p, n in zip(w.prompts, w.output_lens))
     blocks = max(len(w.prompts) for w in workloads) * -(-longest // args.block_size) + 8
     engines = {}
-    for name in args.steps.split(","):
+    for name in steps:
         engine_class = STEPS[name]
         if issubclass(engine_class.config_class, PagedAttentionEngineConfig):
             config: EngineConfig = engine_class.config_class(**asdict(replace(base, num_blocks=blocks)), attn=args.attn)
@@ -109,7 +128,7 @@ def main() -> int:
                              num_blocks=blocks, attn=args.attn, repeats=args.repeats, max_batch=max_batch,
                              hf_static_max_batch=args.hf_static_max_batch,
                              torch_threads=torch.get_num_threads())
-    output = args.output or Path("results/compare") / f"{device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
+    output = args.output or default_output("compare", device.type, args.model)
     runs = []
     for workload in workloads:
         warmup = Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens])
@@ -135,8 +154,7 @@ def main() -> int:
                   f"({time.perf_counter() - started:.0f} s with compiling)", flush=True)
         write_evidence(output, header, runs, workloads)  # after every batch size: a cut-short run keeps its figures
     print(format_table(runs))
-    evidence = write_evidence(output, header, runs, workloads)
-    print(f"wrote {evidence}")
+    evidence = write_evidence(output, header, runs, workloads)  # prints where
     try:
         # scripts/ has no __init__.py: it imports as a namespace package from the folder compare.py is in.
         from scripts.plot_compare import write_plot

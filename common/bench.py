@@ -3,6 +3,10 @@
 Measured, never estimated: TTFT is the wall time from a request's arrival to the step that returned its
 first token; TPOT is (latency - TTFT) / (output tokens - 1); throughput is output tokens over the wall time
 of the whole run. Every result file records what produced it (commit, versions, device, model, workload).
+
+Benchmarks write under runs/ unless given an output path: runs/ is ignored by git, so measuring never
+overwrites the committed evidence under results/. An explicit `--output` (`--bench-output` for a step's
+run.py) writes anywhere, results/ included.
 """
 
 from __future__ import annotations
@@ -30,6 +34,18 @@ from common.sampling import SamplingParams
 # Token ids that are ordinary text pieces in every bundled tokenizer's range: synthetic prompts draw
 # from here so the same ids are valid for the embedded, tiny and random:* models alike.
 _PROMPT_ID_RANGE = (1000, 40000)
+
+# Where a benchmark's evidence goes by default, relative to the folder it runs from (the repository root, as in
+# every README): ignored by git, unlike results/, the committed evidence the READMEs cite.
+RUNS_DIR = Path("runs")
+
+
+def default_output(folder: str, *name: str) -> Path:
+    """Where a benchmark writes unless given an output path: runs/<folder>/<name>.json, the name being the parts
+    joined by "-", with a model id made safe for a file name. default_output("compare", "cpu", "random:qwen2.5-7b")
+    is runs/compare/cpu-random-qwen2.5-7b.json: the sub-path that committed evidence has under results/."""
+    stem = "-".join(part.replace(":", "-").replace("/", "-") for part in name)
+    return RUNS_DIR / folder / f"{stem}.json"
 
 
 @dataclass

@@ -2,25 +2,32 @@
 
     python stepNN_name/run.py                      # the embedded model on a few prompts, checked against HF
     python stepNN_name/run.py --dry-run            # tiny random models of each architecture, checked, seconds
-    python stepNN_name/run.py --bench              # throughput against HF generate(), JSON evidence
+    python stepNN_name/run.py --bench              # throughput against HF generate(), JSON evidence in runs/
     python stepNN_name/run.py --prompts-file p.txt --output-json out.json --max-tokens 64
 
 A step with its own switches passes `add_arguments` and an engine whose `config_class` has matching fields.
+
+Every value is checked before anything loads (`check_args`): a bad one ends the program with one line on
+stderr that says what to give instead, `error: --max-tokens must be at least 1 (got 0)`, and exit code 2.
+compare.py, step 08's server and the benchmark scripts use the same checks and the same `Parser`.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from common.bench import (
     Workload,
+    default_output,
     evidence_header,
     fixed_workload,
     format_table,
@@ -41,12 +48,119 @@ from common.request import Completion
 from common.sampling import SamplingParams
 
 
+# ----- checking the command line ---------------------------------------------------------------------------
+
+
+class CommandLineError(ValueError):
+    """A command-line value that cannot work; the message names the flag, the value, and what to give instead."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser with its own errors (an unknown flag, `--max-tokens x`) as one line and exit code 2:
+    the default prints the whole usage block first, which buries the one line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def fail(err: Exception) -> int:
+    """Print `err` as the one line a user reads, and return the exit code of a bad command line."""
+    print(f"error: {err}", file=sys.stderr)
+    return 2
+
+
+# The smallest value of each numeric flag, by its name on the parsed namespace. `check_args` looks only at the
+# flags a parser has, and skips one left at None: not given, so the program picks a default later.
+MINIMUMS: dict[str, int] = {
+    "max_tokens": 1, "prompt_len": 1, "repeats": 1, "max_num_seqs": 1, "max_model_len": 1, "block_size": 1,
+    "num_blocks": 1, "max_graph_batch": 1, "temperature": 0, "hf_static_max_batch": 0,
+}
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # the names EngineConfig.resolved_dtype accepts
+
+
+def check_at_least(flag: str, value: float | None, minimum: int) -> None:
+    """A number given on the command line is at least `minimum` (None: not given, nothing to check)."""
+    # `not value >= minimum` rather than `value < minimum`: it also refuses nan, which compares false to anything.
+    if value is not None and not value >= minimum:
+        raise CommandLineError(f"{flag} must be at least {minimum} (got {value})")
+
+
+def parse_sizes(flag: str, text: str) -> list[int]:
+    """`"1,4,8"` -> [1, 4, 8]: comma-separated whole numbers of at least 1 (batch sizes, lengths)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdecimal() and int(part) >= 1 for part in parts):
+        raise CommandLineError(f"{flag} takes comma-separated whole numbers of at least 1, like 1,4,8 (got {text!r})")
+    return [int(part) for part in parts]
+
+
+def parse_names(flag: str, text: str, allowed: Collection[str]) -> list[str]:
+    """`"a,b"` -> ["a", "b"], each one of `allowed` (compare.py's --steps)."""
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in allowed]
+    if unknown:
+        raise CommandLineError(f"{flag} has unknown names {', '.join(unknown)}: choose from {','.join(allowed)}")
+    return names
+
+
+def available_devices() -> list[str]:
+    """The devices this machine has, as --device names them."""
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+def check_device(device: str) -> None:
+    """auto, cpu, cuda, cuda:N or mps, and one this machine has: a missing GPU is one line here rather than a
+    long traceback from deep inside torch once the model starts loading."""
+    if device == "auto":
+        return
+    have = available_devices()
+    if not re.fullmatch(r"cpu|cuda(:\d+)?|mps", device):
+        raise CommandLineError(f"--device {device} is not a device: give auto, cpu, cuda, cuda:N or mps "
+                               f"(this machine has: {', '.join(have)})")
+    # Plain cuda is cuda:0, and cuda:01 is cuda:1.
+    name = f"cuda:{int(device.partition(':')[2] or 0)}" if device.startswith("cuda") else device
+    if name not in have:
+        raise CommandLineError(f"--device {device} is not available: this machine has: {', '.join(have)} "
+                               "(give one of those, or auto)")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Check the flags the command lines share (MINIMUMS, --device, --dtype, --batch-sizes, ...) on whichever
+    parser made `args`, before anything loads; raises CommandLineError for the first bad value. A program checks
+    its own other flags (compare.py's --steps) with the helpers above."""
+    given = vars(args)
+    for name, minimum in MINIMUMS.items():
+        if name in given:
+            check_at_least("--" + name.replace("_", "-"), given[name], minimum)
+    if "device" in given:
+        check_device(args.device)
+    if "dtype" in given and args.dtype not in DTYPES:
+        raise CommandLineError(f"--dtype {args.dtype} is not a dtype: give {', '.join(DTYPES)}")
+    if "batch_sizes" in given:
+        parse_sizes("--batch-sizes", args.batch_sizes)
+    if given.get("kv_memory_gb") is not None and not args.kv_memory_gb > 0:
+        raise CommandLineError(f"--kv-memory-gb must be more than 0 (got {args.kv_memory_gb})")
+    if "port" in given and not 1 <= args.port <= 65535:
+        raise CommandLineError(f"--port must be between 1 and 65535 (got {args.port})")
+    if given.get("prompts_file") is not None and not args.prompts_file.is_file():
+        problem = "is not a file" if args.prompts_file.exists() else "does not exist"
+        raise CommandLineError(f"--prompts-file {args.prompts_file} {problem}: "
+                               "give a text file with one prompt per line")
+
+
+# ----- the shared run.py ------------------------------------------------------------------------------------
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=EMBEDDED_MODEL, help=f"one of: {model_names_help()}")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto (default)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps, or auto (default: cuda if there is one)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (run: 48, bench: 128)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per request (default: run 48, bench 128, dry run 12)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy, and is checked against HF")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and for sampling")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
@@ -64,7 +178,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                        help="fixed: batch x prompt-len x max-tokens; nanovllm: 256 seqs, lengths in [100, 1024]")
     bench.add_argument("--repeats", type=int, default=1, help="runs per point; the median is kept")
     bench.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
-    bench.add_argument("--bench-output", type=Path, help="evidence file (default results/<step>/...json)")
+    bench.add_argument("--bench-output", type=Path,
+                       help="evidence file (default runs/<step>/bench-<device>-<model>.json)")
     return p
 
 
@@ -80,21 +195,20 @@ def main(
         add_arguments(parser)
     args = parser.parse_args(argv)
     try:
+        check_args(args)  # before any model loads
         if args.dry_run:
             return dry_run(engine_class, args)
         if args.bench:
             return bench(engine_class, step_name, args)
         return run_prompts(engine_class, args)
-    except (ModelLoadError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except (ModelLoadError, ValueError) as err:  # CommandLineError is a ValueError
+        return fail(err)
 
 
 def read_prompts(path: Path | None) -> list[str]:
+    """The prompts of --prompts-file (check_args has made sure it is a file), or the demo prompts without one."""
     if path is None:
         return list(DEMO_PROMPTS)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} does not exist: give a text file with one prompt per line")
     prompts = [line.replace("\\n", "\n") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"prompts file {path} has no prompts: write one prompt per line")
@@ -115,7 +229,7 @@ def report_parity(engine: Engine, prompt_ids: list[list[int]], completions: list
 def run_prompts(engine_class: type[Engine], args: argparse.Namespace) -> int:
     """The default run: generate for each prompt, print it, and check it against HF generate()."""
     prompts = read_prompts(args.prompts_file)
-    max_tokens = args.max_tokens or 48
+    max_tokens = 48 if args.max_tokens is None else args.max_tokens
     engine = engine_class.from_args(args)
     print(f"[{engine_class.__name__}] model {args.model} on {engine.device} ({engine.model.dtype})")
     prompt_ids = [engine.tokenizer.apply_chat_template(p) for p in prompts]
@@ -151,7 +265,7 @@ def dry_run(engine_class: type[Engine], args: argparse.Namespace) -> int:
         config = replace(config_class.from_args(args), model=f"tiny-{arch}", device=device, dtype="float32")
         engine = engine_class.from_config(config)
         prompt_ids = [engine.tokenizer.apply_chat_template(p) for p in DEMO_PROMPTS]
-        max_tokens = args.max_tokens or 12
+        max_tokens = 12 if args.max_tokens is None else args.max_tokens
         completions = staggered_generate(engine, prompt_ids, SamplingParams(max_tokens=max_tokens), arrive_every=2)
         print(f"[dry run] tiny-{arch}: {len(prompt_ids)} requests arriving every 2 steps")
         ok &= report_parity(engine, prompt_ids, completions, max_tokens)
@@ -162,11 +276,11 @@ def dry_run(engine_class: type[Engine], args: argparse.Namespace) -> int:
 def bench(engine_class: type[Engine], step_name: str, args: argparse.Namespace) -> int:
     """This step against HF generate() on the same weights and workload; writes JSON evidence."""
     engine = engine_class.from_args(args)
-    max_tokens = args.max_tokens or 128
+    max_tokens = 128 if args.max_tokens is None else args.max_tokens
     if args.workload == "nanovllm":
         workloads = [nanovllm_workload(seed=args.seed)]
     else:
-        sizes = [int(b) for b in args.batch_sizes.split(",")]
+        sizes = parse_sizes("--batch-sizes", args.batch_sizes)
         workloads = [fixed_workload(b, args.prompt_len, max_tokens, seed=args.seed) for b in sizes]
     hf = None if args.no_hf else hf_model_for(engine.loaded)
     pad = min(engine.eos_token_ids) if engine.eos_token_ids else 0
@@ -187,8 +301,6 @@ def bench(engine_class: type[Engine], step_name: str, args: argparse.Namespace) 
             run_hf_generate(hf, warmup, pad)
             runs.append(median_of(lambda: run_hf_generate(hf, workload, pad), args.repeats))
     print(format_table(runs))
-    output = args.bench_output or Path("results") / step_name / (
-        f"bench-{engine.device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
-    )
+    output = args.bench_output or default_output(step_name, "bench", engine.device.type, args.model)
     write_evidence(output, header, runs, workloads)
     return 0

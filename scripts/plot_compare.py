@@ -1,12 +1,15 @@
 """Plot cross-step comparison evidence: output tokens per second against batch size, one line per system.
 
-    python scripts/plot_compare.py results/compare/cpu-smollm2-135m-instruct.json   # writes the .png next to it
-    python scripts/plot_compare.py results/compare/*.json --output compare.png     # one panel per file
-    python scripts/plot_compare.py results/compare/cuda-random-qwen2.5-7b.json --ceiling-bandwidth-tbs 4.2 --log-y
+    python scripts/plot_compare.py runs/compare/cpu-smollm2-135m-instruct.json        # writes the .png next to it
+    python scripts/plot_compare.py results/compare/*.json --output runs/compare.png   # one panel per file
+    python scripts/plot_compare.py results/compare/cuda-random-qwen2.5-7b.json --ceiling-bandwidth-tbs 4.2 --log-y \\
+        --output runs/compare/cuda-random-qwen2.5-7b-ceiling.png
 
 Reads the JSON evidence that `compare.py` writes (`common/bench.py: write_evidence`): every figure drawn is
-a figure in the file. The line goes through the run each file reports (the one `median_of` kept of its
-repeats); the faint dots are every repeat, from `extra.repeats_tok_per_s`. The title names the device, model, dtype and
+a figure in the file. That is compare.py's own under runs/compare/ (ignored by git), or the committed
+evidence under results/compare/: give that an --output outside results/, or the committed plot next to it is
+replaced. The line goes through the run each file reports (the one `median_of` kept of its repeats); the
+faint dots are every repeat, from `extra.repeats_tok_per_s`. The title names the device, model, dtype and
 commit the evidence records. `compare.py` calls `write_plot` itself after writing its evidence.
 
 With --ceiling-bandwidth-tbs, a dashed grey line adds the weight-read ceiling: a batched decode step reads
@@ -169,8 +172,9 @@ def write_plot(files: list[str | Path], output: str | Path, log_y: bool = False,
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("files", nargs="+", help="compare evidence JSON files (results/compare/*.json)")
-    p.add_argument("--output", type=Path, help="PNG to write (default: the single input file with .png)")
+    p.add_argument("files", nargs="+",
+                   help="compare evidence JSON files (runs/compare/*.json, or the committed results/compare/*.json)")
+    p.add_argument("--output", type=Path, help="PNG to write (default: next to the single input file, with .png)")
     p.add_argument("--log-y", action="store_true", help="log-scale throughput axis too")
     p.add_argument("--ceiling-bandwidth-tbs", type=float, metavar="TB/S",
                    help="draw the weight-read ceiling for this memory bandwidth in TB/s (10^12 bytes/s). "

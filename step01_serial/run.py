@@ -3,7 +3,7 @@
 Examples:
     python step01_serial/run.py --dry-run
     python step01_serial/run.py                       # embedded SmolLM2-135M, checked against HF generate()
-    python step01_serial/run.py --bench               # step01 vs HF generate() at batch 1, 4, 8
+    python step01_serial/run.py --bench               # step01 vs HF generate() at batch 1, 4, 8, JSON in runs/
 """
 
 from common.cli import main

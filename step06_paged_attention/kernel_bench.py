@@ -6,7 +6,8 @@ fails is reported and not timed); then the kernel at each split count, and torch
 out densely, are timed. Timing replays a CUDA graph of `CALLS_PER_GRAPH` calls, so the figure is the
 GPU's time per call, not the host's time to launch it (measured per call, a small kernel on a slow host
 shows only the launch). Achieved bandwidth counts the K/V bytes one call must read. The device's copy
-bandwidth is measured in the same run, as the ceiling. Writes JSON evidence.
+bandwidth is measured in the same run, as the ceiling. Writes JSON evidence (by default
+runs/step06_paged_attention/kernel-bench-cuda.json, ignored by git).
 
     python step06_paged_attention/run.py --kernel-bench                    # on a CUDA machine
     python step06_paged_attention/kernel_bench.py --batches 1,8 --contexts 128,2048 --output out.json
@@ -24,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.bench import evidence_header, write_json
+from common.bench import default_output, evidence_header, write_json
+from common.cli import CommandLineError, Parser, check_args, fail, parse_sizes
 from common.config import load_bundled_config
 from step06_paged_attention import triton_kernels
 from step06_paged_attention.backends import TritonBackend
@@ -148,7 +150,7 @@ def best_launch(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="qwen2.5-7b", help="the head layout to use (a bundled config name)")
     p.add_argument("--batches", default="1,8,16,32,64")
     p.add_argument("--contexts", default="128,512,2048,8192")
@@ -159,8 +161,16 @@ def main(argv: list[str] | None = None) -> int:
                                                          "(e.g. 2x2,8x3) at each point's best split count")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--repeats", type=int, default=10, help=f"graph replays ({CALLS_PER_GRAPH} calls each) per figure")
-    p.add_argument("--output", type=Path, default=Path("results/step06_paged_attention/kernel-bench-cuda.json"))
+    p.add_argument("--output", type=Path, default=default_output("step06_paged_attention", "kernel-bench", "cuda"),
+                   help="evidence file (default %(default)s)")
     args, _ = p.parse_known_args(argv)
+    try:  # before any GPU work: a bad value is one line and exit code 2
+        check_args(args)
+        batches = parse_sizes("--batches", args.batches)
+        contexts = parse_sizes("--contexts", args.contexts)
+        other_tiles = parse_sizes("--other-tiles", args.other_tiles) if args.other_tiles else []
+    except CommandLineError as err:
+        return fail(err)
     if not torch.cuda.is_available():
         print("error: the kernel benchmark times CUDA kernels: run it on a GPU machine", file=sys.stderr)
         return 2
@@ -174,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     header["copy_bandwidth_gbs"] = copy_bandwidth_gbs(device)
     print(f"copy bandwidth: {header['copy_bandwidth_gbs']:.0f} GB/s")
     rows = []
-    for batch in map(int, args.batches.split(",")):
-        for context in map(int, args.contexts.split(",")):
+    for batch in batches:
+        for context in contexts:
             splits = backend.num_splits(batch, config.num_kv_heads, context)
             row = bench_point(batch, context, config.num_heads, config.num_kv_heads, config.head_dim,
                               args.block_size, dtype, device, splits, args.repeats,
-                              [int(t) for t in args.other_tiles.split(",") if t],
+                              other_tiles,
                               [tuple(map(int, c.split("x"))) for c in args.launch_configs.split(",") if c])
             if row["correct"]:
                 row["kernel_vs_copy"] = row["kernel_gbs"] / header["copy_bandwidth_gbs"]

@@ -4,7 +4,7 @@ The workload: `--requests` requests with uneven prompts and outputs (ignore_eos)
 generous budget holds every request's worst case; the tight one holds `--tight-fraction` of the peak
 that workload needs, so requests get preempted. Swap bandwidth: one request's worth of blocks (`--swap-blocks`
 of every layer) swapped out and in with one gather-and-transfer per K/V, against one copy per block and
-layer. Writes JSON evidence.
+layer. Writes JSON evidence (by default runs/step07_preemption/preempt-<device>-<model>.json, ignored by git).
 
     python step07_preemption/bench_preempt.py --model random:qwen2.5-7b --device cuda
 """
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from common.bench import Workload, evidence_header, nanovllm_workload, run_engine, write_json
+from common.bench import Workload, default_output, evidence_header, nanovllm_workload, run_engine, write_json
+from common.cli import CommandLineError, Parser, check_args, check_at_least, fail
 from common.loading import EMBEDDED_MODEL, load_model
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step07_preemption.swap import Swapper
@@ -32,7 +33,7 @@ def swap_bandwidth(engine: PreemptionEngine, num_blocks: int, per_block: bool, r
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=EMBEDDED_MODEL)
     p.add_argument("--device", default="auto")
     p.add_argument("--requests", type=int, default=64)
@@ -41,8 +42,20 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--tight-fraction", type=float, default=0.25)
     p.add_argument("--swap-blocks", type=int, default=64)
-    p.add_argument("--output", type=Path, default=None)
+    p.add_argument("--output", type=Path, default=None,
+                   help="evidence file (default runs/step07_preemption/preempt-<device>-<model>.json)")
     args = p.parse_args()
+    try:  # before the model loads: a bad value is one line and exit code 2
+        check_args(args)
+        for flag, value in (("--requests", args.requests), ("--min-len", args.min_len),
+                            ("--max-len", args.max_len), ("--swap-blocks", args.swap_blocks)):
+            check_at_least(flag, value, 1)
+        if args.min_len > args.max_len:
+            raise CommandLineError(f"--min-len must be at most --max-len (got {args.min_len} and {args.max_len})")
+        if not 0 < args.tight_fraction <= 1:
+            raise CommandLineError(f"--tight-fraction must be more than 0 and at most 1 (got {args.tight_fraction})")
+    except CommandLineError as err:
+        return fail(err)
     base = PreemptionEngineConfig(model=args.model, device=args.device, block_size=args.block_size)
     loaded = load_model(args.model, base.resolved_device(), base.resolved_dtype())
     workload = nanovllm_workload(args.requests, args.min_len, args.max_len)
@@ -76,8 +89,7 @@ def main() -> int:
     print(f"[swap] {args.swap_blocks} blocks of every layer: batched {swap['batched_gb_per_s']:.2f} GB/s, "
           f"per block {swap['per_block_gb_per_s']:.2f} GB/s")
     device = loaded.model.device
-    output = args.output or Path("results/step07_preemption") / (
-        f"preempt-{device.type}-{args.model.replace(':', '-').replace('/', '-')}.json")
+    output = args.output or default_output("step07_preemption", "preempt", device.type, args.model)
     write_json(output, header | {"runs": runs, "swap_bandwidth": swap})
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -5,7 +5,8 @@ concurrency level runs that many streaming clients at once, each sending `--requ
 back to back (32-token prompts as token ids, `--max-tokens` new tokens, ignore_eos). Measured at the client:
 TTFT (request sent -> first chunk), TPOT ((latency - TTFT) / (tokens - 1)), output tok/s over the wall time.
 Then stops the server and drives the same engine directly with the same requests, at the same
-concurrency, for the overhead ratio. Writes JSON evidence.
+concurrency, for the overhead ratio. Writes JSON evidence (by default
+runs/step08_serve/serve-<device>-<model>.json, ignored by git).
 
     python step08_serve/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,2,4,8,16,32
 """
@@ -24,7 +25,8 @@ from pathlib import Path
 import httpx
 from openai import AsyncOpenAI
 
-from common.bench import Workload, evidence_header, fixed_workload, run_engine, write_json
+from common.bench import Workload, default_output, evidence_header, fixed_workload, run_engine, write_json
+from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_sizes
 from common.loading import EMBEDDED_MODEL
 from step08_serve.launcher import DEFAULT_STEP, STEPS, free_port
 
@@ -90,7 +92,7 @@ def wait_healthy(base_url: str, server: subprocess.Popen, timeout: float = 600) 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=EMBEDDED_MODEL)
     p.add_argument("--step", choices=list(STEPS), default=DEFAULT_STEP)
     p.add_argument("--device", default="auto")
@@ -99,9 +101,15 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--no-direct", action="store_true", help="skip the bare-engine comparison")
-    p.add_argument("--output", type=Path, default=None)
+    p.add_argument("--output", type=Path, default=None,
+                   help="evidence file (default runs/step08_serve/serve-<device>-<model>.json)")
     args = p.parse_args()
-    levels = [int(c) for c in args.concurrency.split(",")]
+    try:  # before the server starts: a bad value is one line and exit code 2
+        check_args(args)
+        levels = parse_sizes("--concurrency", args.concurrency)
+        check_at_least("--requests-per-client", args.requests_per_client, 1)
+    except CommandLineError as err:
+        return fail(err)
     max_requests = max(levels) * args.requests_per_client
     workload = fixed_workload(max_requests, args.prompt_len, args.max_tokens, seed=1)
 
@@ -155,7 +163,7 @@ def main() -> int:
         row["direct_engine_tok_per_s"] = d["output_tok_per_s"]
         row["server_vs_direct"] = row["output_tok_per_s"] / d["output_tok_per_s"]
     doc = header | {"runs": served}
-    output = args.output or Path("results/step08_serve") / f"serve-{device.type}-{args.model.replace(':', '-').replace('/', '-')}.json"
+    output = args.output or default_output("step08_serve", "serve", device.type, args.model)
     write_json(output, doc)
     return 0
 

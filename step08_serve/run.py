@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import uvicorn
 
+from common.cli import Parser, check_args, fail
 from common.loading import EMBEDDED_MODEL, ModelLoadError, model_names_help
 from step02_paged_kv.engine import PagedEngineConfig
 from step08_serve.api_server import create_app
@@ -23,14 +23,14 @@ from step08_serve.launcher import DEFAULT_STEP, STEPS, running_server
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=EMBEDDED_MODEL, help=f"one of: {model_names_help()}")
     p.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: --model)")
     p.add_argument("--step", choices=list(STEPS), default=DEFAULT_STEP, help="which step's engine serves")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps, or auto (default: cuda if there is one)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="1 to 65535 (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("LLM_STEPS_API_KEY"), help="require 'Authorization: Bearer KEY'")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -78,12 +78,12 @@ def dry_run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_args(args)  # the same checks as every step's run.py, before the model loads
         if args.dry_run:
             return dry_run(args)
         _, app = build_app(args)
-    except (ModelLoadError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except (ModelLoadError, ValueError) as err:  # CommandLineError is a ValueError
+        return fail(err)
     print(f"serving {args.model} with {args.step} on http://{args.host}:{args.port}/v1")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

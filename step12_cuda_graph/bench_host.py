@@ -4,7 +4,8 @@ Once decode is a CUDA graph, the GPU's work per step is one replay; what remains
 scheduling (step 07's `schedule`), filling the static inputs, and turning sampled ids into text
 (`process_tokens`: detokenizing, stop checks). The engine waits for each step's tokens before doing any of
 it, so this time adds to every step. Measured here on the CPU with a tiny model and the model's own work
-timed apart (the forward is wrapped), at several batch sizes with long prompts. Writes JSON evidence.
+timed apart (the forward is wrapped), at several batch sizes with long prompts. Writes JSON evidence (by
+default runs/step12_cuda_graph/host-per-step-cpu.json, ignored by git).
 
     python step12_cuda_graph/bench_host.py --batches 32,128,256
 """
@@ -20,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from common.bench import evidence_header, write_json
+from common.bench import default_output, evidence_header, write_json
+from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_sizes
 from common.loading import load_model
 from common.sampling import SamplingParams
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
@@ -66,17 +68,24 @@ def host_ms_per_step(batch: int, prompt_len: int, steps: int) -> dict[str, float
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="32,128,256")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--output", type=Path, default=Path("results/step12_cuda_graph/host-per-step-cpu.json"))
+    p.add_argument("--output", type=Path, default=default_output("step12_cuda_graph", "host-per-step", "cpu"),
+                   help="evidence file (default %(default)s)")
     args = p.parse_args()
+    try:  # before the model loads: a bad value is one line and exit code 2
+        check_args(args)
+        batches = parse_sizes("--batches", args.batches)
+        check_at_least("--steps", args.steps, 1)
+    except CommandLineError as err:
+        return fail(err)
     torch.set_num_threads(1)  # the host's Python is single-threaded; keep the forward from borrowing cores
     header = evidence_header(torch.device("cpu"), "tiny-llama", torch.float32, prompt_len=args.prompt_len,
                              steps=args.steps)
     rows = []
-    for batch in map(int, args.batches.split(",")):
+    for batch in batches:
         per_step = host_ms_per_step(batch, args.prompt_len, args.steps)
         rows.append({"batch": batch, "ms_per_step": per_step})
         parts = ", ".join(f"{name} {ms:.2f}" for name, ms in per_step.items())

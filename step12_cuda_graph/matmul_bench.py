@@ -5,7 +5,8 @@ of rows, the skinny kernel's output is first compared with F.linear's; then both
 kernel at every launch setting of a small grid. Each call reads a different copy of the weight (enough
 copies to exceed the L2 cache several times over), as 28 layers do, so a weight is never served from cache.
 Timing replays a CUDA graph of many calls (step06's `timed_ms`). Achieved bandwidth counts the weight's
-bytes. Writes JSON evidence with every setting's time, the best one per point, and cuBLAS's.
+bytes. Writes JSON evidence with every setting's time, the best one per point, and cuBLAS's (by default
+runs/step12_cuda_graph/matmul-bench-cuda-<config>.json, ignored by git).
 
     python step12_cuda_graph/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16
 """
@@ -21,7 +22,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from common.bench import evidence_header, write_json
+from common.bench import default_output, evidence_header, write_json
+from common.cli import CommandLineError, Parser, check_args, fail, parse_sizes
 from common.config import ModelConfig, load_bundled_config
 from step06_paged_attention.kernel_bench import copy_bandwidth_gbs, timed_ms
 from step12_cuda_graph.skinny_matmul import SkinnyConfig, skinny_linear
@@ -88,24 +90,29 @@ def bench_shape(n: int, k: int, has_bias: bool, rows_tried: list[int], grid: lis
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="qwen2.5-7b", help="a bundled model config: the shapes to time")
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--output", type=Path, default=None)
+    p.add_argument("--output", type=Path, default=None,
+                   help="evidence file (default runs/step12_cuda_graph/matmul-bench-cuda-<config>.json)")
     args = p.parse_args()
+    try:  # before any GPU work: a bad value is one line and exit code 2
+        check_args(args)
+        rows_tried = parse_sizes("--rows", args.rows)
+    except CommandLineError as err:
+        return fail(err)
     if not torch.cuda.is_available():
         print("error: this times CUDA kernels: run it on a GPU machine", file=sys.stderr)
         return 2
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = load_bundled_config(args.config)
-    rows_tried = [int(r) for r in args.rows.split(",")]
     header = evidence_header(device, f"shapes of {args.config}", dtype, rows=rows_tried,
                              copy_bandwidth_gbs=copy_bandwidth_gbs(device), grid_size=len(GRID))
     shapes = {}
     for name, (n, k, has_bias) in projection_shapes(config).items():
         shapes[name] = bench_shape(n, k, has_bias, rows_tried, GRID, dtype, args.repeats)
-    write_json(args.output or Path("results/step12_cuda_graph") / f"matmul-bench-cuda-{args.config}.json",
+    write_json(args.output or default_output("step12_cuda_graph", "matmul-bench-cuda", args.config),
                header | {"shapes": shapes})
     return 0
 

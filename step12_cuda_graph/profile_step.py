@@ -9,7 +9,7 @@ multiply, without and with programmatic dependent launch), this script puts that
   (matrix multiplies, our attention kernels, element-wise and reductions, the rest), with the most costly
   kernels by name and how many kernels one step launches;
 - the weight-read ceiling: the bytes of every weight a step reads, over the device's copy bandwidth.
-Writes JSON evidence.
+Writes JSON evidence (by default runs/step12_cuda_graph/profile-cuda-<model>.json, ignored by git).
 
     python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 --context 160
 """
@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common.bench import evidence_header, write_json
+from common.bench import default_output, evidence_header, write_json
+from common.cli import CommandLineError, Parser, check_at_least, fail, parse_names, parse_sizes
 from common.config import weight_params_per_decode_step
 from common.loading import LoadedModel, load_model
 from common.sampling import SamplingParams
@@ -113,18 +114,23 @@ def time_replays(graph: torch.cuda.CUDAGraph, steps: int) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:qwen2.5-7b")
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--context", type=int, default=160, help="tokens each request holds during the step")
     p.add_argument("--steps", type=int, default=20, help="replays timed, and eager steps profiled (a quarter)")
     p.add_argument("--variants", default=",".join(VARIANT_SWITCHES),
                    help=f"which variants to profile, of {','.join(VARIANT_SWITCHES)} (default: all)")
-    p.add_argument("--output", type=Path, default=None)
+    p.add_argument("--output", type=Path, default=None,
+                   help="evidence file (default runs/step12_cuda_graph/profile-cuda-<model>.json)")
     args = p.parse_args()
-    unknown = set(args.variants.split(",")) - set(VARIANT_SWITCHES)
-    if unknown:
-        p.error(f"unknown variants {sorted(unknown)}: choose from {','.join(VARIANT_SWITCHES)}")
+    try:  # before the model loads: a bad value is one line and exit code 2
+        batches = parse_sizes("--batches", args.batches)
+        variants = parse_names("--variants", args.variants, VARIANT_SWITCHES)
+        check_at_least("--context", args.context, 1)
+        check_at_least("--steps", args.steps, 1)
+    except CommandLineError as err:
+        return fail(err)
     if not torch.cuda.is_available():
         print("error: this profiles CUDA kernels and graphs: run it on a GPU machine", file=sys.stderr)
         return 2
@@ -137,8 +143,8 @@ def main() -> int:
                              copy_bandwidth_gbs=copy_gbs, weight_bytes_read=weight_bytes,
                              weight_read_ceiling_ms=ceiling_ms)
     points = []
-    for batch in map(int, args.batches.split(",")):
-        for variant in (VARIANT_SWITCHES[name] for name in args.variants.split(",")):
+    for batch in batches:
+        for variant in (VARIANT_SWITCHES[name] for name in variants):
             point = profile_point(loaded, args.model, batch, args.context, args.steps, variant)
             point["replay_vs_ceiling"] = ceiling_ms / point["replay_ms_per_step"]
             points.append(point)
@@ -153,8 +159,8 @@ def main() -> int:
                 print(f"  {name:30s} {ms:7.3f} ms")
             for k in point["top_kernels"][:8]:
                 print(f"  {k['ms_per_step']:7.3f} ms  x{k['calls_per_step']:5.0f}  {k['name'][:90]}")
-    write_json(args.output or Path("results/step12_cuda_graph") / (
-        f"profile-cuda-{args.model.replace(':', '-').replace('/', '-')}.json"), header | {"points": points})
+    output = args.output or default_output("step12_cuda_graph", "profile-cuda", args.model)
+    write_json(output, header | {"points": points})
     return 0
 
 
