@@ -1,7 +1,7 @@
 """Every step on the same model and workload, in one run: the tutorial's performance curve.
 
-    python compare.py                                   # CPU, embedded model, batch 1/4/8, 128 new tokens
-    python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,4,8,32 --repeats 3
+    .venv/bin/python compare.py                                   # CPU, embedded model, batch 1/4/8, 128 new tokens
+    .venv/bin/python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,4,8,32 --repeats 3
 
 One model is loaded once and shared by every step's engine and by the HF generate() baseline, so the
 figures differ only by what the steps do. Writes one JSON evidence file with every run, by default

@@ -1,9 +1,9 @@
 """The command line every step's `run.py` shares, so any two steps can be compared on the same input.
 
-    python stepNN_name/run.py                      # the embedded model on a few prompts, checked against HF
-    python stepNN_name/run.py --dry-run            # tiny random models of each architecture, checked, seconds
-    python stepNN_name/run.py --bench              # throughput against HF generate(), JSON evidence in runs/
-    python stepNN_name/run.py --prompts-file p.txt --output-json out.json --max-tokens 64
+    .venv/bin/python stepNN_name/run.py                      # the embedded model on a few prompts, checked against HF
+    .venv/bin/python stepNN_name/run.py --dry-run            # tiny random models of each architecture, checked, seconds
+    .venv/bin/python stepNN_name/run.py --bench              # throughput against HF generate(), JSON evidence in runs/
+    .venv/bin/python stepNN_name/run.py --prompts-file p.txt --output-json out.json --max-tokens 64
 
 A step with its own switches passes `add_arguments` and an engine whose `config_class` has matching fields.
 

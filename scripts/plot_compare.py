@@ -1,8 +1,8 @@
 """Plot cross-step comparison evidence: output tokens per second against batch size, one line per system.
 
-    python scripts/plot_compare.py runs/compare/cpu-smollm2-135m-instruct.json        # writes the .png next to it
-    python scripts/plot_compare.py results/compare/*.json --output runs/compare.png   # one panel per file
-    python scripts/plot_compare.py results/compare/cuda-random-qwen2.5-7b.json --ceiling-bandwidth-tbs 4.2 --log-y \\
+    .venv/bin/python scripts/plot_compare.py runs/compare/cpu-smollm2-135m-instruct.json        # writes the .png next to it
+    .venv/bin/python scripts/plot_compare.py results/compare/*.json --output runs/compare.png   # one panel per file
+    .venv/bin/python scripts/plot_compare.py results/compare/cuda-random-qwen2.5-7b.json --ceiling-bandwidth-tbs 4.2 --log-y \\
         --output runs/compare/cuda-random-qwen2.5-7b-ceiling.png
 
 Reads the JSON evidence that `compare.py` writes (`common/bench.py: write_evidence`): every figure drawn is

@@ -1,8 +1,8 @@
 """Print benchmark evidence as markdown tables, so README figures are copied from evidence, not typed.
 
-    python scripts/results_table.py results/step01_serial/bench-cpu-smollm2-135m-instruct.json
-    python scripts/results_table.py --pivot results/compare/cuda-random-qwen2.5-7b.json   # tok/s, batch x system
-    python scripts/results_table.py --refresh README.md step0*/README.md    # rewrite every table from its file
+    .venv/bin/python scripts/results_table.py results/step01_serial/bench-cpu-smollm2-135m-instruct.json
+    .venv/bin/python scripts/results_table.py --pivot results/compare/cuda-random-qwen2.5-7b.json   # tok/s, batch x system
+    .venv/bin/python scripts/results_table.py --refresh README.md step0*/README.md    # rewrite every table from its file
 
 In a README, every table generated here starts with its source line (`<!-- results/....json: ... -->`);
 `--refresh` regenerates each such table in place, and tests/test_results_tables.py fails when one differs.

@@ -1,10 +1,10 @@
 """Step 02: paged KV cache, one batched decode forward per step, continuous batching (Python-loop gather).
 
 Examples:
-    python step02_paged_kv/run.py --dry-run
-    python step02_paged_kv/run.py                          # embedded model, checked against HF generate()
-    python step02_paged_kv/run.py --block-size 4 --num-blocks 64
-    python step02_paged_kv/run.py --bench --batch-sizes 1,4,8
+    .venv/bin/python step02_paged_kv/run.py --dry-run
+    .venv/bin/python step02_paged_kv/run.py                          # embedded model, checked against HF generate()
+    .venv/bin/python step02_paged_kv/run.py --block-size 4 --num-blocks 64
+    .venv/bin/python step02_paged_kv/run.py --bench --batch-sizes 1,4,8
 """
 
 import argparse

@@ -1,9 +1,9 @@
 """Step 03: step 02 with one vectorized gather and one scatter per layer instead of Python loops.
 
 Examples:
-    python step03_vectorized_gather/run.py --dry-run
-    python step03_vectorized_gather/run.py                 # embedded model, checked against HF generate()
-    python step03_vectorized_gather/run.py --bench --batch-sizes 1,4,8
+    .venv/bin/python step03_vectorized_gather/run.py --dry-run
+    .venv/bin/python step03_vectorized_gather/run.py                 # embedded model, checked against HF generate()
+    .venv/bin/python step03_vectorized_gather/run.py --bench --batch-sizes 1,4,8
 """
 
 from common.cli import main

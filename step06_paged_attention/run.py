@@ -1,11 +1,11 @@
 """Step 06: paged attention (no gather, no copy) and one batched prefill for all admitted requests.
 
 Examples:
-    python step06_paged_attention/run.py --dry-run                     # torch backend on CPU, parity with HF
-    TRITON_INTERPRET=1 python step06_paged_attention/run.py --dry-run --attn triton   # our kernels, on a CPU
-    python step06_paged_attention/run.py                               # embedded model, checked against HF
-    python step06_paged_attention/run.py --bench --device cuda --model random:qwen2.5-7b --attn triton
-    python step06_paged_attention/run.py --kernel-bench                # kernels checked, then timed (CUDA)
+    .venv/bin/python step06_paged_attention/run.py --dry-run                     # torch backend on CPU, parity with HF
+    TRITON_INTERPRET=1 .venv/bin/python step06_paged_attention/run.py --dry-run --attn triton   # our kernels, on a CPU
+    .venv/bin/python step06_paged_attention/run.py                               # embedded model, checked against HF
+    .venv/bin/python step06_paged_attention/run.py --bench --device cuda --model random:qwen2.5-7b --attn triton
+    .venv/bin/python step06_paged_attention/run.py --kernel-bench                # kernels checked, then timed (CUDA)
 """
 
 import argparse

@@ -1,9 +1,9 @@
 """Step 07: optimistic admission with preemption (swap or recompute) and per-request priorities.
 
 Examples:
-    python step07_preemption/run.py --dry-run                          # tiny models, parity with HF
-    python step07_preemption/run.py --block-size 4 --num-blocks 24     # a budget far too small: preemptions
-    python step07_preemption/run.py --block-size 4 --num-blocks 24 --preempt swap
+    .venv/bin/python step07_preemption/run.py --dry-run                          # tiny models, parity with HF
+    .venv/bin/python step07_preemption/run.py --block-size 4 --num-blocks 24     # a budget far too small: preemptions
+    .venv/bin/python step07_preemption/run.py --block-size 4 --num-blocks 24 --preempt swap
 """
 
 import argparse

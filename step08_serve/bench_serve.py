@@ -8,7 +8,7 @@ Then stops the server and drives the same engine directly with the same requests
 concurrency, for the overhead ratio. Writes JSON evidence (by default
 runs/step08_serve/serve-<device>-<model>.json, ignored by git).
 
-    python step08_serve/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,2,4,8,16,32
+    .venv/bin/python step08_serve/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,2,4,8,16,32
 """
 
 from __future__ import annotations

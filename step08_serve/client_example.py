@@ -1,7 +1,7 @@
 """Talk to a running step08 server with the official openai SDK: one streamed chat, one plain completion.
 
-    python step08_serve/run.py &                 # in another terminal
-    python step08_serve/client_example.py --base-url http://127.0.0.1:8000/v1
+    .venv/bin/python step08_serve/run.py &                 # in another terminal
+    .venv/bin/python step08_serve/client_example.py --base-url http://127.0.0.1:8000/v1
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Step 08: an OpenAI-compatible streaming server over one shared engine step loop.
 
 Examples:
-    python step08_serve/run.py                               # the embedded model on http://127.0.0.1:8000
-    python step08_serve/run.py --dry-run                     # in-process server + the official openai SDK, tiny model
-    python step08_serve/run.py --model Qwen/Qwen2.5-7B-Instruct --device cuda --port 8000 --api-key secret
-    python step08_serve/client_example.py                    # talk to a running server
+    .venv/bin/python step08_serve/run.py                               # the embedded model on http://127.0.0.1:8000
+    .venv/bin/python step08_serve/run.py --dry-run                     # in-process server + the official openai SDK, tiny model
+    .venv/bin/python step08_serve/run.py --model Qwen/Qwen2.5-7B-Instruct --device cuda --port 8000 --api-key secret
+    .venv/bin/python step08_serve/client_example.py                    # talk to a running server
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ it, so this time adds to every step. Measured here on the CPU with a tiny model 
 timed apart (the forward is wrapped), at several batch sizes with long prompts. Writes JSON evidence (by
 default runs/step12_cuda_graph/host-per-step-cpu.json, ignored by git).
 
-    python step12_cuda_graph/bench_host.py --batches 32,128,256
+    .venv/bin/python step12_cuda_graph/bench_host.py --batches 32,128,256
 """
 
 from __future__ import annotations

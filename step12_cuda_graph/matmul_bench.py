@@ -8,7 +8,7 @@ Timing replays a CUDA graph of many calls (step06's `timed_ms`). Achieved bandwi
 bytes. Writes JSON evidence with every setting's time, the best one per point, and cuBLAS's (by default
 runs/step12_cuda_graph/matmul-bench-cuda-<config>.json, ignored by git).
 
-    python step12_cuda_graph/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16
+    .venv/bin/python step12_cuda_graph/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16
 """
 
 from __future__ import annotations

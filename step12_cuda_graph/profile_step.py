@@ -11,7 +11,7 @@ multiply, without and with programmatic dependent launch), this script puts that
 - the weight-read ceiling: the bytes of every weight a step reads, over the device's copy bandwidth.
 Writes JSON evidence (by default runs/step12_cuda_graph/profile-cuda-<model>.json, ignored by git).
 
-    python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 --context 160
+    .venv/bin/python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 --context 160
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 are step 07's.
 
 Examples:
-    python step12_cuda_graph/run.py --dry-run                          # tiny models, parity with HF (eager on CPU)
-    python step12_cuda_graph/run.py --device cuda --dry-run --attn triton --dtype float32
-    python step12_cuda_graph/run.py --bench --device cuda --model random:qwen2.5-7b --batch-sizes 1,8,32,64
-    python step12_cuda_graph/run.py --bench --device cuda --model random:qwen2.5-7b --no-cuda-graph
+    .venv/bin/python step12_cuda_graph/run.py --dry-run                          # tiny models, parity with HF (eager on CPU)
+    .venv/bin/python step12_cuda_graph/run.py --device cuda --dry-run --attn triton --dtype float32
+    .venv/bin/python step12_cuda_graph/run.py --bench --device cuda --model random:qwen2.5-7b --batch-sizes 1,8,32,64
+    .venv/bin/python step12_cuda_graph/run.py --bench --device cuda --model random:qwen2.5-7b --no-cuda-graph
 """
 
 import argparse
