@@ -32,25 +32,13 @@ from common.bench import (
     write_evidence,
 )
 from common.cli import CommandLineError, Parser, check_args, fail, parse_names, parse_sizes
-from common.engine import Engine, EngineConfig
+from common.engine import EngineConfig
 from common.loading import EMBEDDED_MODEL, ModelLoadError, load_model
 from common.reference import hf_model_for
-from step01_serial.engine import SerialEngine
-from step02_paged_kv.engine import PagedEngine, PagedEngineConfig
-from step03_vectorized_gather.engine import VectorizedGatherEngine
+from common.steps import STEP_NAMES, engine_class
+from step02_paged_kv.engine import PagedEngineConfig
 from step06_paged_attention.backends import ATTENTION_BACKENDS
-from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
-from step07_preemption.engine import PreemptionEngine
-from step12_cuda_graph.engine import CudaGraphEngine
-
-STEPS: dict[str, type[Engine]] = {
-    "step01_serial": SerialEngine,
-    "step02_paged_kv": PagedEngine,
-    "step03_vectorized_gather": VectorizedGatherEngine,
-    "step06_paged_attention": PagedAttentionEngine,
-    "step07_preemption": PreemptionEngine,
-    "step12_cuda_graph": CudaGraphEngine,
-}
+from step06_paged_attention.engine import PagedAttentionEngineConfig
 
 
 def parse_max_batch(specs: list[str]) -> dict[str, int]:
@@ -58,9 +46,9 @@ def parse_max_batch(specs: list[str]) -> dict[str, int]:
     limits = {}
     for spec in specs:
         name, _, value = spec.partition("=")
-        if name not in STEPS or not value.isdecimal() or int(value) < 1:
+        if name not in STEP_NAMES or not value.isdecimal() or int(value) < 1:
             raise CommandLineError(f"--max-batch takes STEP=N with N at least 1 and STEP one of "
-                                   f"{','.join(STEPS)} (got {spec!r})")
+                                   f"{','.join(STEP_NAMES)} (got {spec!r})")
         limits[name] = int(value)
     return limits
 
@@ -70,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=EMBEDDED_MODEL)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--steps", default=",".join(STEPS), help="comma-separated step names")
+    p.add_argument("--steps", default=",".join(STEP_NAMES), help="comma-separated step names")
     p.add_argument("--batch-sizes", default="1,4,8")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -92,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:  # every value checked before the model loads: a bad one is one line and exit code 2
         check_args(args)
-        steps = parse_names("--steps", args.steps, STEPS)
+        steps = parse_names("--steps", args.steps, STEP_NAMES)
         batch_sizes = parse_sizes("--batch-sizes", args.batch_sizes)
         max_batch = parse_max_batch(args.max_batch)
     except CommandLineError as err:
@@ -111,16 +99,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     blocks = max(len(w.prompts) for w in workloads) * -(-longest // args.block_size) + 8
     engines = {}
     for name in steps:
-        engine_class = STEPS[name]
-        if issubclass(engine_class.config_class, PagedAttentionEngineConfig):
-            config: EngineConfig = engine_class.config_class(**asdict(replace(base, num_blocks=blocks)), attn=args.attn)
+        step_engine = engine_class(name)
+        if issubclass(step_engine.config_class, PagedAttentionEngineConfig):
+            config: EngineConfig = step_engine.config_class(**asdict(replace(base, num_blocks=blocks)), attn=args.attn)
             if hasattr(config, "max_graph_batch"):  # capture graphs only up to the largest batch measured
                 config.max_graph_batch = max(len(w.prompts) for w in workloads)
-        elif issubclass(engine_class.config_class, PagedEngineConfig):
+        elif issubclass(step_engine.config_class, PagedEngineConfig):
             config = replace(base, num_blocks=blocks)
         else:
             config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype)
-        engines[name] = engine_class(loaded, config)
+        engines[name] = step_engine(loaded, config)
 
     device = loaded.model.device
     # Taken before the runs: the commit and dirty flag describe the code that is about to run.

@@ -1,5 +1,6 @@
-"""The tutorial tour: every finished step runs on the embedded model, is checked against HF generate(),
-and its throughput is printed. Run it with `make tour` (or `python tour.py` inside the venv)."""
+"""The tutorial tour: every step's engine runs on the embedded model, is checked against HF generate(),
+and its throughput is printed; then step 08 serves a tiny model and is called through the openai SDK.
+Run it with `make tour` (or `.venv/bin/python tour.py`)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,10 @@ from common.checks import check_against_reference
 from common.engine import Engine
 from common.prompts import DEMO_PROMPTS
 from common.sampling import SamplingParams
-from step01_serial.engine import SerialEngine
-from step02_paged_kv.engine import PagedEngine
-from step03_vectorized_gather.engine import VectorizedGatherEngine
-from step06_paged_attention.engine import PagedAttentionEngine
-from step07_preemption.engine import PreemptionEngine
+from common.steps import STEPS
+from step08_serve.run import build_parser as server_parser
+from step08_serve.run import dry_run as server_dry_run
 
-# (step folder, what it teaches, its engine): one line per finished step.
-STEPS: list[tuple[str, str, type[Engine]]] = [
-    ("step01_serial", "serial decode, one forward per request, contiguous KV", SerialEngine),
-    ("step02_paged_kv", "paged KV blocks, one batched decode forward, continuous batching", PagedEngine),
-    ("step03_vectorized_gather", "step02 with one vectorized gather instead of loops", VectorizedGatherEngine),
-    ("step06_paged_attention", "attention backends over the block table, one batched prefill (torch backend on CPU)",
-     PagedAttentionEngine),
-    ("step07_preemption", "optimistic admission, preemption by recompute or swap, priorities", PreemptionEngine),
-]
 MAX_TOKENS = 32
 
 
@@ -47,13 +37,16 @@ def tour_step(name: str, idea: str, engine_class: type[Engine]) -> tuple[float, 
 
 
 def main() -> int:
-    print(f"The tour runs {len(STEPS)} step(s) on the embedded SmolLM2-135M-Instruct, on the CPU, "
-          f"{len(DEMO_PROMPTS)} prompts x {MAX_TOKENS} tokens each.")
-    results = [(name, *tour_step(name, idea, cls)) for name, idea, cls in STEPS]
+    print(f"The tour runs {len(STEPS)} engines on the embedded SmolLM2-135M-Instruct, on the CPU, "
+          f"{len(DEMO_PROMPTS)} prompts x {MAX_TOKENS} tokens each, then step 08's server.")
+    results = [(step.name, *tour_step(step.name, step.idea, step.engine_class())) for step in STEPS]
+    print("\n=== step08_serve: an OpenAI-compatible server over one step loop (tiny model, the openai SDK)")
+    served_ok = server_dry_run(server_parser().parse_args([])) == 0
     print("\nstep                     tok/s   parity")
     for name, tok_s, ok in results:
         print(f"{name:<24}{tok_s:>6.1f}   {'OK' if ok else 'FAILED'}")
-    return 0 if all(ok for _, _, ok in results) else 1
+    print(f"{'step08_serve':<24}{'-':>6}   {'OK' if served_ok else 'FAILED'} (streamed text equals the non-streamed)")
+    return 0 if served_ok and all(ok for _, _, ok in results) else 1
 
 
 if __name__ == "__main__":

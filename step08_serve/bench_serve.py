@@ -28,7 +28,8 @@ from openai import AsyncOpenAI
 from common.bench import Workload, default_output, evidence_header, fixed_workload, run_engine, write_json
 from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_sizes
 from common.loading import EMBEDDED_MODEL
-from step08_serve.launcher import DEFAULT_STEP, STEPS, free_port
+from common.steps import STEP_NAMES, engine_class
+from step08_serve.launcher import DEFAULT_STEP, free_port
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -94,7 +95,7 @@ def wait_healthy(base_url: str, server: subprocess.Popen, timeout: float = 600) 
 def main() -> int:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=EMBEDDED_MODEL)
-    p.add_argument("--step", choices=list(STEPS), default=DEFAULT_STEP)
+    p.add_argument("--step", choices=STEP_NAMES, default=DEFAULT_STEP)
     p.add_argument("--device", default="auto")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--requests-per-client", type=int, default=2)
@@ -141,8 +142,8 @@ def main() -> int:
 
     direct = []
     if not args.no_direct:
-        engine_class = STEPS[args.step]
-        engine = engine_class.from_config(engine_class.config_class(model=args.model, device=args.device,
+        step_engine = engine_class(args.step)
+        engine = step_engine.from_config(step_engine.config_class(model=args.model, device=args.device,
                                                                     max_num_seqs=max(levels)))
         run_engine(engine, fixed_workload(2, args.prompt_len, 8), "warmup")
         for c in levels:

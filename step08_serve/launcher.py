@@ -12,23 +12,8 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
-from common.engine import Engine
-from step01_serial.engine import SerialEngine
-from step02_paged_kv.engine import PagedEngine
-from step03_vectorized_gather.engine import VectorizedGatherEngine
-from step06_paged_attention.engine import PagedAttentionEngine
-from step07_preemption.engine import PreemptionEngine
-from step12_cuda_graph.engine import CudaGraphEngine
-
-# Every step the server can drive. The default is the most capable one whose GPU path has been measured.
-STEPS: dict[str, type[Engine]] = {
-    "step01_serial": SerialEngine,
-    "step02_paged_kv": PagedEngine,
-    "step03_vectorized_gather": VectorizedGatherEngine,
-    "step06_paged_attention": PagedAttentionEngine,
-    "step07_preemption": PreemptionEngine,  # honours each request's `priority`
-    "step12_cuda_graph": CudaGraphEngine,  # step 07 with decode replayed as CUDA graphs
-}
+# The server drives any step of common/steps.py (`--step`). The default is step 07's engine: it honours
+# each request's `priority`, and runs on any device.
 DEFAULT_STEP = "step07_preemption"
 
 

@@ -19,14 +19,15 @@ from common.loading import EMBEDDED_MODEL, ModelLoadError, model_names_help
 from step02_paged_kv.engine import PagedEngineConfig
 from step08_serve.api_server import create_app
 from step08_serve.async_engine import AsyncEngine
-from step08_serve.launcher import DEFAULT_STEP, STEPS, running_server
+from common.steps import STEP_NAMES, engine_class
+from step08_serve.launcher import DEFAULT_STEP, running_server
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=EMBEDDED_MODEL, help=f"one of: {model_names_help()}")
     p.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: --model)")
-    p.add_argument("--step", choices=list(STEPS), default=DEFAULT_STEP, help="which step's engine serves")
+    p.add_argument("--step", choices=STEP_NAMES, default=DEFAULT_STEP, help="which step's engine serves")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps, or auto (default: cuda if there is one)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--host", default="127.0.0.1")
@@ -42,13 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_app(args: argparse.Namespace) -> tuple[AsyncEngine, object]:
-    engine_class = STEPS[args.step]
+    step_engine = engine_class(args.step)
     fields = {k: getattr(args, k) for k in ("model", "device", "dtype", "max_num_seqs", "max_model_len",
                                             "block_size", "num_blocks", "kv_memory_gb")}
-    if not issubclass(engine_class.config_class, PagedEngineConfig):
+    if not issubclass(step_engine.config_class, PagedEngineConfig):
         for k in ("block_size", "num_blocks", "kv_memory_gb"):
             fields.pop(k)
-    engine = engine_class.from_config(engine_class.config_class(**fields))
+    engine = step_engine.from_config(step_engine.config_class(**fields))
     async_engine = AsyncEngine(engine)
     served = args.served_model_name or args.model
     return async_engine, create_app(async_engine, served, args.model, args.api_key)

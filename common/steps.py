@@ -1,0 +1,53 @@
+"""The one list of the tutorial's engines, read by the tour, the cross-step comparison and the server.
+
+Adding a step is its folder plus one line here. Each engine is named as "module:Class" and imported only
+when asked for, so listing the steps loads none of them (and a step whose optional kernels are missing
+does not stop the others from being listed).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from common.engine import Engine
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str  # the step's folder, and its name on every command line (`--step`, `--steps`)
+    idea: str  # what the step teaches, in one line
+    engine_path: str  # "module:Class" of its engine
+
+    def engine_class(self) -> type[Engine]:
+        module, _, cls = self.engine_path.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+# In the order of the chain: each engine is a subclass of the one above it.
+STEPS: tuple[Step, ...] = (
+    Step("step01_serial", "serial decode, one forward per request, contiguous KV",
+         "step01_serial.engine:SerialEngine"),
+    Step("step02_paged_kv", "paged KV blocks, one batched decode forward, continuous batching",
+         "step02_paged_kv.engine:PagedEngine"),
+    Step("step03_vectorized_gather", "step 02 with one vectorized gather instead of loops",
+         "step03_vectorized_gather.engine:VectorizedGatherEngine"),
+    Step("step06_paged_attention", "attention reads KV from the block table, one batched prefill",
+         "step06_paged_attention.engine:PagedAttentionEngine"),
+    Step("step07_preemption", "optimistic admission, preemption by recompute or swap, priorities",
+         "step07_preemption.engine:PreemptionEngine"),
+    Step("step12_cuda_graph", "decode replayed as CUDA graphs per batch bucket (eager on a CPU)",
+         "step12_cuda_graph.engine:CudaGraphEngine"),
+)
+STEP_NAMES: tuple[str, ...] = tuple(step.name for step in STEPS)
+
+
+def find_step(name: str) -> Step:
+    for step in STEPS:
+        if step.name == name:
+            return step
+    raise ValueError(f"no step named {name!r}: choose from {', '.join(STEP_NAMES)}")
+
+
+def engine_class(name: str) -> type[Engine]:
+    return find_step(name).engine_class()
