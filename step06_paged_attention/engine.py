@@ -4,7 +4,8 @@ Against step 02/03, `PagedAttentionEngine` changes two things:
 - `make_decode_context`: the decode forward carries `AttentionMetadata` (block table, lengths, slot
   mapping as device tensors, built once) to an attention backend instead of gathering K/V into a copy;
 - `prefill_admitted`: every request admitted in a step is prefilled in ONE forward, their prompts laid end
-  to end (a variable-length batch), instead of one forward each.
+  to end (a variable-length batch), instead of one forward each (`--no-batched-prefill` keeps one each, so
+  that the two changes can be measured apart).
 Scheduling, the block allocator and the pool are step 02's.
 """
 
@@ -26,6 +27,7 @@ from step06_paged_attention.backends import AttentionBackend, AttentionMetadata,
 class PagedAttentionEngineConfig(PagedEngineConfig):
     attn: str = "auto"  # auto | torch | triton | flash_attn
     sync_per_layer: bool = False  # ablation: recompute the longest length with .item() in every layer
+    batched_prefill: bool = True  # off: one prefill forward per prompt, as step 03 (to measure each change)
 
 
 class PagedAttentionForward(ForwardContext):
@@ -87,8 +89,14 @@ class PagedAttentionEngine(PagedEngine):
         meta, positions = self.build_metadata(requests, [1] * len(requests), seq_lens, is_prefill=False)
         return self.context(meta, positions)
 
-    @torch.inference_mode()
     def prefill_admitted(self, requests: list[Request]) -> list[RequestOutput]:
+        if not self.config.batched_prefill:
+            return [output for request in requests for output in self.prefill_together([request])]
+        return self.prefill_together(requests)
+
+    @torch.inference_mode()
+    def prefill_together(self, requests: list[Request]) -> list[RequestOutput]:
+        """One forward for all `requests`' prompts, laid end to end."""
         if not requests:
             return []
         token_ids = [r.all_token_ids for r in requests]  # nothing of these requests is cached yet

@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     attention = parser.add_argument_group("paged attention")
     attention.add_argument("--attn", choices=ATTENTION_BACKENDS, default="auto",
                            help="auto: flash_attn if importable on CUDA, else triton on CUDA, else torch")
+    attention.add_argument("--batched-prefill", action=argparse.BooleanOptionalAction, default=True,
+                           help="prefill every admitted prompt in one forward (default); --no-batched-prefill: "
+                                "one forward each, as step 03, to measure paged attention alone")
     attention.add_argument("--sync-per-layer", action="store_true",
                            help="ablation: read the longest length back with .item() in every layer")
 

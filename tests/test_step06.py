@@ -56,24 +56,25 @@ def test_triton_backend_matches_step01(model: str, block_size: int, arrive_every
     check_against_step01(load_model(model, device=device), "triton", block_size, arrive_every, device)
 
 
-def test_tight_budget_and_per_layer_sync_change_nothing() -> None:
+@pytest.mark.parametrize(("sync", "batched_prefill"), [(False, True), (True, True), (False, False)])
+def test_tight_budget_per_layer_sync_and_prefill_one_by_one_change_nothing(sync: bool, batched_prefill: bool) -> None:
     tiny = load_model("tiny-qwen3")
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
     params = SamplingParams(max_tokens=10)
     expected = step01_tokens(tiny, prompts, params)
     longest = max(len(p) for p in prompts) + 10
-    for sync in (False, True):
-        engine = PagedAttentionEngine(tiny, PagedAttentionEngineConfig(
-            device="cpu", block_size=4, num_blocks=2 * -(-longest // 4), attn="torch", sync_per_layer=sync))
-        for p in prompts:
-            engine.add_request(p, params)
-        requests = list(engine.requests.values())
-        waited = False
-        while engine.has_unfinished():
-            engine.step()
-            waited |= bool(engine.waiting) and bool(engine.running)
-        assert waited
-        assert [r.output_token_ids for r in requests] == expected
+    engine = PagedAttentionEngine(tiny, PagedAttentionEngineConfig(
+        device="cpu", block_size=4, num_blocks=2 * -(-longest // 4), attn="torch", sync_per_layer=sync,
+        batched_prefill=batched_prefill))
+    for p in prompts:
+        engine.add_request(p, params)
+    requests = list(engine.requests.values())
+    waited = False
+    while engine.has_unfinished():
+        engine.step()
+        waited |= bool(engine.waiting) and bool(engine.running)
+    assert waited
+    assert [r.output_token_ids for r in requests] == expected
 
 
 def test_metadata_maps_every_new_token_to_its_slot() -> None:
