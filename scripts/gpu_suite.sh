@@ -58,6 +58,12 @@ compare_long() {
     --output "$OUT/compare-cuda-random-qwen2.5-7b-prompt1024.json"
 }
 
+prefill_vs_paged() {
+  echo "== step06's two changes apart: step03, step06 with paged attention only (one prefill per prompt), step06 whole"
+  python step06_paged_attention/bench_prefill.py --device cuda --model random:qwen2.5-7b --attn triton \
+    --batch-sizes 1,8,32,64 --prompt-lens 32,1024 --max-tokens 128 --output "$OUT/prefill-vs-paged-cuda-random-qwen2.5-7b.json"
+}
+
 graphs_large() {
   echo "== step12 on the 256-sequence workload (lengths uniform in [100, 1024]) on random:qwen3-0.6b"
   python step12_cuda_graph/run.py --bench --workload nanovllm --model random:qwen3-0.6b --device cuda --no-hf \
@@ -134,5 +140,5 @@ serve_graphs() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long graphs_large matmul_bench profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long prefill_vs_paged graphs_large matmul_bench profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs)
 for section in "${sections[@]}"; do "$section"; done
