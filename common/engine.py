@@ -183,6 +183,11 @@ class Engine(ABC):
         """A line on how the step used its KV memory so far (each step knows its own cache)."""
         return ""
 
+    def stats(self) -> dict[str, float]:
+        """The scheduler's state now, one number per name, for a monitor (step 08's /metrics exports each one).
+        A step that has more to say adds it: step 02 its KV blocks, step 07 its preemptions."""
+        return {"requests_running": len(self.running), "requests_waiting": len(self.waiting)}
+
     @abstractmethod
     def free_request(self, request: Request) -> None:
         """Release whatever KV cache the request holds (it may hold none yet); called once per request."""

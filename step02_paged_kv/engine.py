@@ -170,6 +170,9 @@ class PagedEngine(Engine):
             )
         return "\n".join(lines)
 
+    def stats(self) -> dict[str, float]:
+        return super().stats() | {"kv_blocks_used": self.allocator.num_used, "kv_blocks_total": self.allocator.num_blocks}
+
     def memory_report(self) -> str:
         per_block = PagedKVCache.bytes_per_block(self.model.config, self.cache.block_size, self.model.dtype)
         return (

@@ -13,7 +13,7 @@ from common.cli import main
 from step02_paged_kv.engine import PagedEngine
 
 
-def add_paged_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     paged = parser.add_argument_group("paged KV cache")
     paged.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
     paged.add_argument("--num-blocks", type=int, default=None, help="KV budget in blocks (default: from memory)")
@@ -22,4 +22,4 @@ def add_paged_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(PagedEngine, "step02_paged_kv", __doc__, add_arguments=add_paged_arguments))
+    raise SystemExit(main(PagedEngine, "step02_paged_kv", __doc__, add_arguments=add_arguments))

@@ -12,13 +12,13 @@ import argparse
 import sys
 
 from common.cli import main
-from step02_paged_kv.run import add_paged_arguments
+from step02_paged_kv.run import add_arguments as add_step02_arguments
 from step06_paged_attention.backends import ATTENTION_BACKENDS
 from step06_paged_attention.engine import PagedAttentionEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_paged_arguments(parser)
+    add_step02_arguments(parser)
     attention = parser.add_argument_group("paged attention")
     attention.add_argument("--attn", choices=ATTENTION_BACKENDS, default="auto",
                            help="auto: flash_attn if importable on CUDA, else triton on CUDA, else torch")

@@ -182,6 +182,10 @@ class PreemptionEngine(PagedAttentionEngine):
         if request in self.swapped:
             self.swapped.remove(request)
 
+    def stats(self) -> dict[str, float]:
+        return super().stats() | {"preemptions_total": self.preemptions, "requests_swapped": len(self.swapped),
+                                  "swapped_out_blocks_total": self.swapper.stats.swapped_out_blocks}
+
     def memory_report(self) -> str:
         stats = self.swapper.stats
         swap = (f"; swapped {stats.swapped_out_blocks} blocks out and {stats.swapped_in_blocks} in at "

@@ -1,9 +1,14 @@
 """The OpenAI-compatible HTTP API over one shared `AsyncEngine`.
 
-Each handler only checks the request, tokenizes it, and then reads the outputs of its engine request(s)
-from a queue: streaming as server-sent events, or collected into one JSON response. Every request, however
-it ends (finished, client gone, error), leaves nothing behind: leaving `AsyncEngine.generate` early aborts
-the engine request, which frees its KV blocks.
+`OpenAIServer` holds what every route needs (the engine, the served model's name, the API key) and has
+one method per route and per stage of a request: parse and check the body, build the prompt, admit one
+engine request per choice, then answer, either as server-sent events or collected into one JSON body.
+Below the class are the pieces that need no server state: the JSON shape of each endpoint's responses,
+merging and collecting the outputs of several engine requests, watching for a client that leaves, SSE
+framing, and the error envelope.
+
+Every request, however it ends (finished, client gone, error), leaves nothing behind: leaving
+`AsyncEngine.generate` early aborts the engine request, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -12,18 +17,19 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from common.request import RequestOutput
 from step08_serve.async_engine import AsyncEngine, EngineDeadError
-from step08_serve.metrics import render_metric
 from step08_serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,42 +38,83 @@ from step08_serve.protocol import (
     error_body,
 )
 
-
-def error_response(err: RequestError) -> JSONResponse:
-    headers = {"x-should-retry": "false"} if err.status >= 500 else None
-    return JSONResponse(error_body(str(err), err.error_type, err.param, err.code), status_code=err.status,
-                        headers=headers)
-
-
-@dataclass
-class ChoiceResult:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str
+# One engine request's outputs, tagged with the index of the choice it produces.
+Streams = list[tuple[int, AsyncIterator[RequestOutput]]]
+Body = TypeVar("Body", bound=_GenerationFields)
 
 
 def create_app(async_engine: AsyncEngine, served_model: str, model_root: str, api_key: str | None = None) -> FastAPI:
-    engine = async_engine.engine
-    tokenizer = engine.tokenizer
-    created_at = int(time.time())
+    return OpenAIServer(async_engine, served_model, model_root, api_key).app
+
+
+class OpenAIServer:
+    def __init__(self, async_engine: AsyncEngine, served_model: str, model_root: str,
+                 api_key: str | None = None) -> None:
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.served_model = served_model  # the id clients send as `model`
+        self.model_root = model_root  # the weights it names
+        self.api_key = api_key
+        self.created_at = int(time.time())
+        self.app = self.build_app()
+
+    def build_app(self) -> FastAPI:
+        app = FastAPI(title="llm-serving-steps", lifespan=self.lifespan)
+        # The API key is checked by a dependency of each /v1 route, not by an HTTP middleware: Starlette's
+        # middleware wrapper hides client disconnects from the handler, and disconnects are how abandoned
+        # requests get aborted.
+        v1 = APIRouter(prefix="/v1", dependencies=[Depends(self.authorize)])
+        v1.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
+        v1.add_api_route("/completions", self.completions, methods=["POST"])
+        v1.add_api_route("/models", self.models, methods=["GET"])
+        app.include_router(v1)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        for refusal in (RequestError, ValueError, EngineDeadError):
+            app.add_exception_handler(refusal, error_response)
+        return app
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async_engine.start(asyncio.get_running_loop())
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        """The step loop runs while the app does."""
+        self.async_engine.start(asyncio.get_running_loop())
         yield
-        async_engine.stop()
+        self.async_engine.stop()
 
-    app = FastAPI(title="llm-serving-steps", lifespan=lifespan)
+    # ----- the routes -----------------------------------------------------------------------------------
 
-    def authorize(request: Request) -> None:
-        # A plain check in each /v1 handler, not an HTTP middleware: Starlette's middleware wrapper hides
-        # client disconnects from the handler, and disconnects are how abandoned requests get aborted.
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self.parse(request, ChatCompletionRequest)
+        return await self.respond(request, body, [self.chat_prompt(body)], ChatShape(self.served_model))
+
+    async def completions(self, request: Request) -> Response:
+        body = await self.parse(request, CompletionRequest)
+        prompts = [self.checked_prompt(self.engine.tokenizer.encode(p) if isinstance(p, str) else p, "prompt")
+                   for p in body.prompts()]
+        return await self.respond(request, body, prompts, CompletionShape(self.served_model))
+
+    async def models(self) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.served_model, "object": "model", "created": self.created_at, "owned_by": "llm-serving-steps",
+            "root": self.model_root, "max_model_len": self.engine.max_model_len,
+        }]})
+
+    async def health(self) -> Response:
+        if self.async_engine.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(error_body("the engine loop is not running", "service_unavailable"), status_code=503)
+
+    async def metrics(self) -> Response:
+        return Response(self.async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # ----- a request's stages, in order -----------------------------------------------------------------
+
+    def authorize(self, request: Request) -> None:
+        if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
             raise RequestError("invalid or missing API key", status=401, error_type="authentication_error",
                                code="invalid_api_key")
 
-    async def parse(request: Request, model_class: type[_GenerationFields]) -> Any:
+    async def parse(self, request: Request, model_class: type[Body]) -> Body:
         """Body -> validated request model; every failure is a RequestError that names what is wrong."""
         if "application/json" not in request.headers.get("content-type", ""):
             raise RequestError("the request body must be JSON (Content-Type: application/json)")
@@ -83,116 +130,57 @@ def create_app(async_engine: AsyncEngine, served_model: str, model_root: str, ap
             first = err.errors()[0]
             field = ".".join(str(part) for part in first["loc"]) or None
             raise RequestError(f"{field}: {first['msg']}" if field else first["msg"], field) from None
-        if body.model != served_model:
-            raise RequestError(f"the model {body.model!r} does not exist; this server serves {served_model!r}",
+        if body.model != self.served_model:
+            raise RequestError(f"the model {body.model!r} does not exist; this server serves {self.served_model!r}",
                                "model", status=404, code="model_not_found")
         body.check_supported()
         return body
 
-    def checked_prompt(prompt_ids: list[int], field: str) -> list[int]:
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            engine.check_prompt(prompt_ids)
+            prompt_ids = self.engine.tokenizer.apply_chat_template(messages)
+        except Exception as err:  # the template itself may refuse a conversation (e.g. role order)
+            raise RequestError(f"messages: the chat template rejected them ({err})", "messages") from None
+        return self.checked_prompt(prompt_ids, "messages")
+
+    def checked_prompt(self, prompt_ids: list[int], field: str) -> list[int]:
+        try:
+            self.engine.check_prompt(prompt_ids)
         except ValueError as err:
             raise RequestError(f"{field}: {err}", field) from None
         return prompt_ids
 
-    def budget(body: _GenerationFields, prompt_ids: list[int]) -> int:
-        room = engine.max_model_len - len(prompt_ids)
-        return min(body.token_budget() or room, room)
-
-    async def run_handler(request: Request, handler: Callable[[Request], Awaitable[Response]]) -> Response:
-        try:
-            authorize(request)
-            return await handler(request)
-        except RequestError as err:
-            return error_response(err)
-        except ValueError as err:  # the engine refused the request (e.g. it could never fit in the KV cache)
-            return error_response(RequestError(str(err)))
-        except EngineDeadError as err:
-            return error_response(RequestError(str(err), status=503, error_type="service_unavailable"))
-
-    # ----- generation, shared by both endpoints ----------------------------------------------------------
-
-    def engine_streams(body: _GenerationFields, prompts: list[list[int]], base_id: str
-                       ) -> list[tuple[int, AsyncIterator[RequestOutput]]]:
+    def admit(self, body: _GenerationFields, prompts: list[list[int]], base_id: str) -> Streams:
+        """One engine request per prompt and choice (`n` of each). Nothing reaches the engine until a stream
+        is first read; then `AsyncEngine.generate` registers its queue and only then adds the request."""
         streams = []
         for p, prompt_ids in enumerate(prompts):
+            room = self.engine.max_model_len - len(prompt_ids)
+            max_tokens = min(body.token_budget() or room, room)
             for c in range(body.n):
                 index = p * body.n + c
                 try:
-                    params = body.sampling_params(budget(body, prompt_ids), c)
+                    params = body.sampling_params(max_tokens, c)
                 except ValueError as err:
                     raise RequestError(str(err)) from None
-                streams.append((index, async_engine.generate(prompt_ids, params, f"{base_id}-{index}", body.priority)))
+                streams.append((index, self.async_engine.generate(prompt_ids, params, f"{base_id}-{index}",
+                                                                  body.priority)))
         return streams
 
-    async def merged(streams: list[tuple[int, AsyncIterator[RequestOutput]]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several engine requests as they come, tagged with their choice index."""
-        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+    async def respond(self, request: Request, body: _GenerationFields, prompts: list[list[int]],
+                      shape: ResponseShape) -> Response:
+        """The end both endpoints share: an SSE stream, or every choice collected into one JSON body."""
+        streams = self.admit(body, prompts, shape.id)
+        if body.stream:
+            return await self.stream_response(request, body, prompts, streams, shape)
+        choices = await unless_disconnected(request, collect(streams))
+        if choices is None:  # the client left; its engine requests are already aborted
+            return Response(status_code=499)
+        return JSONResponse(shape.response(choices, usage(prompts, sum(len(c.token_ids) for c in choices))))
 
-        async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
-            try:
-                async for out in stream:
-                    queue.put_nowait((index, out))
-                queue.put_nowait(None)
-            except Exception as err:  # hand the error to the reader
-                queue.put_nowait(err)
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in streams]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:  # client gone or error: stop every pump, which aborts its engine request
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def collect(streams: list[tuple[int, AsyncIterator[RequestOutput]]]) -> list[ChoiceResult]:
-        texts: dict[int, list[str]] = {i: [] for i, _ in streams}
-        ids: dict[int, list[int]] = {i: [] for i, _ in streams}
-        reasons: dict[int, str] = {}
-        async for index, out in merged(streams):
-            texts[index].append(out.new_text)
-            ids[index] += out.new_token_ids
-            if out.finished and out.finish_reason is not None:
-                reasons[index] = out.finish_reason.value
-        return [ChoiceResult(i, "".join(texts[i]), ids[i], reasons[i]) for i, _ in streams]
-
-    async def unless_disconnected(request: Request, awaitable: Awaitable[Any]) -> Any:
-        """Await `awaitable` while watching the connection; if the client leaves first, cancel the work
-        (which aborts its engine requests) and return None."""
-        work = asyncio.ensure_future(awaitable)
-
-        async def watch() -> None:
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.2)
-
-        watcher = asyncio.create_task(watch())
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        watcher.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            return None
-        return work.result()
-
-    def usage(prompts: list[list[int]], completion_tokens: int) -> dict[str, int]:
-        prompt_tokens = sum(len(p) for p in prompts)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
-
-    def sse(data: dict[str, Any] | str) -> str:
-        return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
-
-    async def start_stream(request: Request, body: _GenerationFields, prompts: list[list[int]], streams, make_chunk
-                           ) -> Response:
+    async def stream_response(self, request: Request, body: _GenerationFields, prompts: list[list[int]],
+                              streams: Streams, shape: ResponseShape) -> Response:
         """Wait for the first output before answering, so that a request the engine refuses still gets a
         plain HTTP error (and a client that leaves while queued is noticed); then every output is an event."""
         outputs = merged(streams)
@@ -204,143 +192,205 @@ def create_app(async_engine: AsyncEngine, served_model: str, model_root: str, ap
         if first is None:
             await outputs.aclose()
             return Response(status_code=499)
-        return StreamingResponse(stream_events(body, prompts, first, outputs, make_chunk),
-                                 media_type="text/event-stream")
+        events = stream_events(shape, prompts, first, outputs, body.include_usage_chunk)
+        return StreamingResponse(events, media_type="text/event-stream")
 
-    async def stream_events(body: _GenerationFields, prompts: list[list[int]], first_output: tuple[int, RequestOutput],
-                            outputs: AsyncIterator[tuple[int, RequestOutput]], make_chunk) -> AsyncIterator[str]:
-        async def all_outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
-            yield first_output
-            async for item in outputs:
+
+# ----- the shape of responses ---------------------------------------------------------------------------
+
+
+@dataclass
+class ChoiceResult:
+    """One choice of a non-streamed response, collected."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+class ResponseShape(ABC):
+    """One response's id, time and model, and the JSON of its chunks and choices. The two endpoints differ
+    only in this: `CompletionShape` and `ChatShape` below."""
+
+    id_prefix: str
+    object: str  # of a whole response
+    chunk_object: str  # of each streamed chunk
+
+    def __init__(self, served_model: str) -> None:
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = served_model
+
+    def head(self, object_type: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_type, "created": self.created, "model": self.model}
+
+    def chunk(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:
+        return self.head(self.chunk_object) | {"choices": [self.chunk_choice(index, text, first, finish_reason)]}
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return self.head(self.chunk_object) | {"choices": [], "usage": usage}
+
+    def response(self, choices: list[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]:
+        return self.head(self.object) | {"choices": [self.choice(c) for c in choices], "usage": usage}
+
+    @abstractmethod
+    def chunk_choice(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:
+        """One choice's part of a streamed chunk (`first`: the choice's first chunk)."""
+
+    @abstractmethod
+    def choice(self, c: ChoiceResult) -> dict[str, Any]:
+        """One choice of a non-streamed response."""
+
+
+class CompletionShape(ResponseShape):
+    id_prefix = "cmpl"
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def chunk_choice(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
+    def choice(self, c: ChoiceResult) -> dict[str, Any]:
+        return {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+
+
+class ChatShape(ResponseShape):
+    id_prefix = "chatcmpl"
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def chunk_choice(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:
+        # Only a choice's first chunk carries the role, and it is sent once the first token exists.
+        delta: dict[str, str] = {"role": "assistant"} if first else {}
+        if text or first:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+    def choice(self, c: ChoiceResult) -> dict[str, Any]:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason, "logprobs": None}
+
+
+def usage(prompts: list[list[int]], completion_tokens: int) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+# ----- the outputs of several engine requests ------------------------------------------------------------
+
+
+async def merged(streams: Streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several engine requests as they come, tagged with their choice index."""
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+    tasks = [asyncio.create_task(pump(index, stream, queue)) for index, stream in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
                 yield item
+    finally:  # client gone or error: stop every pump, which aborts its engine request
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-        completion_tokens = 0
-        started: set[int] = set()
-        try:
-            async for index, out in all_outputs():
-                completion_tokens += len(out.new_token_ids)
-                first = index not in started
-                started.add(index)
-                reason = out.finish_reason.value if out.finished and out.finish_reason else None
-                if first or out.new_text or reason:
-                    yield sse(make_chunk(index, out.new_text, first, reason))
-            if body.include_usage_chunk:
-                yield sse(make_chunk(None, "", False, None) | {"choices": [], "usage": usage(prompts, completion_tokens)})
-        except (EngineDeadError, ValueError) as err:
-            yield sse(error_body(str(err), "server_error" if isinstance(err, EngineDeadError) else "invalid_request_error"))
-        finally:
-            await outputs.aclose()  # a client that left mid-stream lands here: abort what is still running
-        yield sse("[DONE]")
 
-    async def respond(request: Request, body: _GenerationFields, prompts: list[list[int]], streams,
-                      make_chunk, make_choice: Callable[[ChoiceResult], dict[str, Any]],
-                      head: dict[str, Any]) -> Response:
-        """The end both endpoints share: an SSE stream, or every choice collected into one JSON body."""
-        if body.stream:
-            return await start_stream(request, body, prompts, streams, make_chunk)
-        choices = await unless_disconnected(request, collect(streams))
-        if choices is None:  # the client left; its engine requests are already aborted
-            return Response(status_code=499)
-        return JSONResponse(head | {
-            "model": served_model,
-            "choices": [make_choice(c) for c in choices],
-            "usage": usage(prompts, sum(len(c.token_ids) for c in choices)),
-        })
+async def pump(index: int, stream: AsyncIterator[RequestOutput],
+               queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None]) -> None:
+    """Move one engine request's outputs into the shared queue; None when it ends, or the error it raised."""
+    try:
+        async for out in stream:
+            queue.put_nowait((index, out))
+        queue.put_nowait(None)
+    except Exception as err:  # hand the error to the reader
+        queue.put_nowait(err)
 
-    # ----- endpoints ------------------------------------------------------------------------------------
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        async def handle(request: Request) -> Response:
-            body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            try:
-                prompt_ids = tokenizer.apply_chat_template(messages)
-            except Exception as err:  # the template itself may refuse a conversation (e.g. role order)
-                raise RequestError(f"messages: the chat template rejected them ({err})", "messages") from None
-            prompts = [checked_prompt(prompt_ids, "messages")]
-            response_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-            streams = engine_streams(body, prompts, response_id)
+async def collect(streams: Streams) -> list[ChoiceResult]:
+    """Every choice run to its end, for a non-streamed response."""
+    texts: dict[int, list[str]] = {i: [] for i, _ in streams}
+    ids: dict[int, list[int]] = {i: [] for i, _ in streams}
+    reasons: dict[int, str] = {}
+    async for index, out in merged(streams):
+        texts[index].append(out.new_text)
+        ids[index] += out.new_token_ids
+        if out.finished and out.finish_reason is not None:
+            reasons[index] = out.finish_reason.value
+    return [ChoiceResult(i, "".join(texts[i]), ids[i], reasons[i]) for i, _ in streams]
 
-            def chunk(index: int | None, text: str, first: bool, reason: str | None) -> dict[str, Any]:
-                delta: dict[str, str] = {"role": "assistant"} if first else {}
-                if text or first:
-                    delta["content"] = text
-                return {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                        "model": served_model,
-                        "choices": [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}]}
 
-            def choice(c: ChoiceResult) -> dict[str, Any]:
-                return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "finish_reason": c.finish_reason, "logprobs": None}
+async def unless_disconnected(request: Request, awaitable: Awaitable[Any]) -> Any:
+    """Await `awaitable` while watching the connection; if the client leaves first, cancel the work
+    (which aborts its engine requests) and return None."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.create_task(wait_for_disconnect(request))
+    await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return None
+    return work.result()
 
-            return await respond(request, body, prompts, streams, chunk, choice,
-                                 {"id": response_id, "object": "chat.completion", "created": created})
 
-        return await run_handler(request, handle)
+async def wait_for_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.2)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        async def handle(request: Request) -> Response:
-            body: CompletionRequest = await parse(request, CompletionRequest)
-            prompts = [
-                checked_prompt(tokenizer.encode(p) if isinstance(p, str) else p, "prompt") for p in body.prompts()
-            ]
-            response_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-            streams = engine_streams(body, prompts, response_id)
 
-            def chunk(index: int | None, text: str, first: bool, reason: str | None) -> dict[str, Any]:
-                return {"id": response_id, "object": "text_completion", "created": created, "model": served_model,
-                        "choices": [{"index": index, "text": text, "finish_reason": reason, "logprobs": None}]}
+# ----- server-sent events ---------------------------------------------------------------------------------
 
-            def choice(c: ChoiceResult) -> dict[str, Any]:
-                return {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
 
-            return await respond(request, body, prompts, streams, chunk, choice,
-                                 {"id": response_id, "object": "text_completion", "created": created})
+async def stream_events(shape: ResponseShape, prompts: list[list[int]], first: tuple[int, RequestOutput],
+                        outputs: AsyncIterator[tuple[int, RequestOutput]], include_usage: bool) -> AsyncIterator[str]:
+    """Each output as a chunk event (the first output already read), the usage chunk if asked, then [DONE]."""
+    completion_tokens = 0
+    started: set[int] = set()
+    try:
+        async for index, out in prepended(first, outputs):
+            completion_tokens += len(out.new_token_ids)
+            first_of_choice = index not in started
+            started.add(index)
+            reason = out.finish_reason.value if out.finished and out.finish_reason else None
+            if first_of_choice or out.new_text or reason:
+                yield sse(shape.chunk(index, out.new_text, first_of_choice, reason))
+        if include_usage:
+            yield sse(shape.usage_chunk(usage(prompts, completion_tokens)))
+    except (EngineDeadError, ValueError) as err:  # after the stream began: an error event, not an HTTP status
+        yield sse(error_body(str(err), "server_error" if isinstance(err, EngineDeadError) else "invalid_request_error"))
+    finally:
+        await outputs.aclose()  # a client that left mid-stream lands here: abort what is still running
+    yield sse("[DONE]")
 
-        return await run_handler(request, handle)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        async def handle(_: Request) -> Response:
-            return JSONResponse({"object": "list", "data": [{
-                "id": served_model, "object": "model", "created": created_at, "owned_by": "llm-serving-steps",
-                "root": model_root, "max_model_len": engine.max_model_len,
-            }]})
+async def prepended(first: tuple[int, RequestOutput], rest: AsyncIterator[tuple[int, RequestOutput]]
+                    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    yield first
+    async for item in rest:
+        yield item
 
-        return await run_handler(request, handle)
 
-    @app.get("/health")
-    async def health() -> Response:
-        if async_engine.alive:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse(error_body("the engine loop is not running", "service_unavailable"), status_code=503)
+def sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        stats = async_engine.stats
-        lines = [
-            *render_metric("llm_requests_running", "gauge", "Requests admitted to the engine.", len(engine.running)),
-            *render_metric("llm_requests_waiting", "gauge", "Requests queued for admission.", len(engine.waiting)),
-            *render_metric("llm_open_streams", "gauge", "HTTP-side request queues open.", async_engine.num_open_streams()),
-            *render_metric("llm_requests_finished_total", "counter", "Requests that finished.", stats.requests_finished),
-            *render_metric("llm_requests_aborted_total", "counter", "Requests aborted (client gone).", stats.requests_aborted),
-            *render_metric("llm_generation_tokens_total", "counter", "Tokens generated.", stats.tokens_generated),
-            *render_metric("llm_engine_steps_total", "counter", "Engine steps run.", stats.steps),
-        ]
-        allocator = getattr(engine, "allocator", None)
-        if allocator is not None:
-            lines += render_metric("llm_kv_blocks_used", "gauge", "KV cache blocks in use.", allocator.num_used)
-            lines += render_metric("llm_kv_blocks_total", "gauge", "KV cache blocks in the pool.", allocator.num_blocks)
-        if hasattr(engine, "preemptions"):  # step 07 onwards
-            lines += render_metric("llm_preemptions_total", "counter", "Running requests preempted.", engine.preemptions)
-            lines += render_metric("llm_requests_swapped", "gauge", "Requests whose KV cache waits in host memory.",
-                                   len(engine.swapped))
-            lines += render_metric("llm_swapped_out_blocks_total", "counter", "KV blocks copied to host memory.",
-                                   engine.swapper.stats.swapped_out_blocks)
-        lines += stats.ttft_seconds.render("llm_time_to_first_token_seconds", "Time to first token.")
-        lines += stats.tpot_seconds.render("llm_time_per_output_token_seconds", "Time per output token after the first.")
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    return app
+# ----- errors -----------------------------------------------------------------------------------------------
+
+
+async def error_response(_: Request, err: Exception) -> JSONResponse:
+    """A refused request as the OpenAI error envelope: the app's handler for RequestError (400, or the status it
+    names), any other ValueError (the engine refused the request, e.g. it could never fit in the KV cache:
+    400) and EngineDeadError (503)."""
+    if isinstance(err, EngineDeadError):
+        err = RequestError(str(err), status=503, error_type="service_unavailable")
+    elif not isinstance(err, RequestError):
+        err = RequestError(str(err))
+    headers = {"x-should-retry": "false"} if err.status >= 500 else None
+    return JSONResponse(error_body(str(err), err.error_type, err.param, err.code), status_code=err.status,
+                        headers=headers)

@@ -18,12 +18,12 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from common.engine import Engine
 from common.request import RequestOutput
 from common.sampling import SamplingParams
-from step08_serve.metrics import Histogram
+from step08_serve.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -32,22 +32,10 @@ class EngineDeadError(RuntimeError):
     """The step loop stopped on an error; no request can be served."""
 
 
-@dataclass
-class ServingStats:
-    """Counters the /metrics endpoint reports (written by the step thread, read by handlers)."""
-
-    requests_finished: int = 0
-    requests_aborted: int = 0
-    tokens_generated: int = 0
-    steps: int = 0
-    ttft_seconds: Histogram = field(default_factory=Histogram)
-    tpot_seconds: Histogram = field(default_factory=Histogram)
-
-
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.stats = ServingStats()
+        self.metrics = ServingMetrics(engine, self.num_open_streams)  # counted by the step thread, read by /metrics
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -124,7 +112,7 @@ class AsyncEngine:
 
     def _abort(self, request_id: str) -> None:
         if self.engine.abort(request_id) is not None:
-            self.stats.requests_aborted += 1
+            self.metrics.requests_aborted.inc()
         self._timing.pop(request_id, None)
 
     def _run(self) -> None:
@@ -137,7 +125,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
-                self.stats.steps += 1
+                self.metrics.engine_steps.inc()
                 self._record(outputs)
                 self._call_in_loop(self._deliver, outputs)
         except BaseException as err:  # a dead loop must fail every waiting request, not hang them
@@ -148,18 +136,18 @@ class AsyncEngine:
     def _record(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
         for out in outputs:
-            self.stats.tokens_generated += len(out.new_token_ids)
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
             timing = self._timing.get(out.request_id)
             if timing is None:
                 continue
             timing.tokens += len(out.new_token_ids)
             if timing.first_token_at is None:
                 timing.first_token_at = now
-                self.stats.ttft_seconds.observe(now - timing.added_at)
+                self.metrics.ttft_seconds.observe(now - timing.added_at)
             if out.finished:
-                self.stats.requests_finished += 1
+                self.metrics.requests_finished.inc()
                 if timing.tokens > 1:
-                    self.stats.tpot_seconds.observe((now - timing.first_token_at) / (timing.tokens - 1))
+                    self.metrics.tpot_seconds.observe((now - timing.first_token_at) / (timing.tokens - 1))
                 del self._timing[out.request_id]
 
     def _call_in_loop(self, fn: Callable[..., None], *args: object) -> None:

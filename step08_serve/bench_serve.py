@@ -8,7 +8,13 @@ Then stops the server and drives the same engine directly with the same requests
 concurrency, for the overhead ratio. Writes JSON evidence (by default
 runs/step08_serve/serve-<device>-<model>.json, ignored by git).
 
+Every flag that is not the benchmark's own builds the engine, as on step08_serve/run.py's command line
+(`--step` and that step's own flags included): the server is started with them, and the bare engine is
+built from them the same way. `--max-num-seqs` is set to the largest concurrency in both.
+
     .venv/bin/python step08_serve/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,2,4,8,16,32
+    .venv/bin/python step08_serve/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,8,32 \
+        --step step12_cuda_graph --attn triton
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -27,9 +34,9 @@ from openai import AsyncOpenAI
 
 from common.bench import Workload, default_output, evidence_header, fixed_workload, run_engine, write_json
 from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_sizes
-from common.loading import EMBEDDED_MODEL
-from common.steps import STEP_NAMES, engine_class
+from common.steps import engine_class
 from step08_serve.launcher import DEFAULT_STEP, free_port
+from step08_serve.run import add_engine_arguments, build_engine, chosen_step
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -92,19 +99,35 @@ def wait_healthy(base_url: str, server: subprocess.Popen, timeout: float = 600) 
     raise RuntimeError("the server did not become healthy in time")
 
 
-def main() -> int:
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=EMBEDDED_MODEL)
-    p.add_argument("--step", choices=STEP_NAMES, default=DEFAULT_STEP)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--concurrency", default="1,2,4,8,16,32")
-    p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--no-direct", action="store_true", help="skip the bare-engine comparison")
-    p.add_argument("--output", type=Path, default=None,
-                   help="evidence file (default runs/step08_serve/serve-<device>-<model>.json)")
-    args = p.parse_args()
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    bench = parser.add_argument_group("benchmark")
+    bench.add_argument("--concurrency", default="1,2,4,8,16,32", help="clients at once, one run per value")
+    bench.add_argument("--requests-per-client", type=int, default=2)
+    bench.add_argument("--prompt-len", type=int, default=32)
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--no-direct", action="store_true", help="skip the bare-engine comparison")
+    bench.add_argument("--output", type=Path, default=None,
+                       help="evidence file (default runs/step08_serve/serve-<device>-<model>.json)")
+
+
+def build_parser(step: str = DEFAULT_STEP) -> argparse.ArgumentParser:
+    # No abbreviated flags: `engine_argv` tells the benchmark's flags from the engine's by their full names.
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    add_bench_arguments(p)
+    add_engine_arguments(p, step)
+    return p
+
+
+def engine_argv(argv: Sequence[str]) -> list[str]:
+    """The command line without the benchmark's own flags: what the server is started with."""
+    bench_only = Parser(add_help=False, allow_abbrev=False)
+    add_bench_arguments(bench_only)
+    return bench_only.parse_known_args(argv)[1]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(chosen_step(argv)).parse_args(argv)
     try:  # before the server starts: a bad value is one line and exit code 2
         check_args(args)
         levels = parse_sizes("--concurrency", args.concurrency)
@@ -114,18 +137,17 @@ def main() -> int:
     max_requests = max(levels) * args.requests_per_client
     workload = fixed_workload(max_requests, args.prompt_len, args.max_tokens, seed=1)
 
-    import torch
-
-    device = torch.device("cuda" if args.device in ("cuda", "auto") and torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the engines' "auto" choice
+    args.max_num_seqs = max(levels)
+    server_argv = [*engine_argv(argv), "--max-num-seqs", str(args.max_num_seqs)]  # the last of a flag wins
+    config = engine_class(args.step).config_class.from_args(args)
+    device, dtype = config.resolved_device(), config.resolved_dtype()
     header = evidence_header(device, args.model, dtype, step=args.step, prompt_len=args.prompt_len,
-                             max_tokens=args.max_tokens, requests_per_client=args.requests_per_client)
+                             max_tokens=args.max_tokens, requests_per_client=args.requests_per_client,
+                             engine_flags=server_argv)
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     env = os.environ | {"NO_PROXY": "127.0.0.1,localhost"}
-    server = subprocess.Popen([sys.executable, "step08_serve/run.py", "--model", args.model, "--step", args.step,
-                               "--device", args.device, "--port", str(port), "--max-num-seqs", str(max(levels))],
-                              env=env)
+    server = subprocess.Popen([sys.executable, "step08_serve/run.py", *server_argv, "--port", str(port)], env=env)
     served: list[dict[str, float]] = []
     try:
         wait_healthy(base_url, server)
@@ -142,9 +164,7 @@ def main() -> int:
 
     direct = []
     if not args.no_direct:
-        step_engine = engine_class(args.step)
-        engine = step_engine.from_config(step_engine.config_class(model=args.model, device=args.device,
-                                                                    max_num_seqs=max(levels)))
+        engine = build_engine(args)  # as the server built its own
         run_engine(engine, fixed_workload(2, args.prompt_len, 8), "warmup")
         for c in levels:
             # The same requests, `c` at a time, as the clients sent them.

@@ -1,41 +1,69 @@
-"""Prometheus text exposition for /metrics, written by hand: a few gauges, counters and two histograms."""
+"""What `/metrics` reports, with `prometheus_client`, in the Prometheus text format.
+
+Two sources. The step loop counts what passes through it (requests finished and aborted, tokens, steps)
+and times each request (time to first token, time per output token after it). The engine says what its
+scheduler holds through `Engine.stats()`, read at each scrape, so every step's own numbers (step 07's
+preemptions, say) appear without the server knowing which step it serves.
+"""
 
 from __future__ import annotations
 
-import bisect
-import threading
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from common.engine import Engine
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
+# No `*_created` timestamp next to every counter and histogram: they double what a reader of /metrics sees.
+disable_created_metrics()
 
-class Histogram:
-    """Cumulative-bucket histogram as Prometheus expects it (`_bucket{le=...}`, `_sum`, `_count`)."""
-
-    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.total = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        with self._lock:
-            self.counts[bisect.bisect_left(self.buckets, value)] += 1
-            self.total += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def render(self, name: str, help_text: str) -> list[str]:
-        with self._lock:
-            lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-            cumulative = 0
-            for bound, n in zip((*map(str, self.buckets), "+Inf"), self.counts):
-                cumulative += n
-                lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-            lines += [f"{name}_sum {self.total}", f"{name}_count {cumulative}"]
-        return lines
+# What the numbers of `Engine.stats()` are. One not listed here is still exported, as a gauge.
+ENGINE_STATS: dict[str, tuple[type[Metric], str]] = {
+    "requests_running": (GaugeMetricFamily, "Requests admitted to the engine."),
+    "requests_waiting": (GaugeMetricFamily, "Requests queued for admission."),
+    "kv_blocks_used": (GaugeMetricFamily, "KV cache blocks in use."),
+    "kv_blocks_total": (GaugeMetricFamily, "KV cache blocks in the pool."),
+    "preemptions_total": (CounterMetricFamily, "Running requests preempted."),
+    "requests_swapped": (GaugeMetricFamily, "Requests whose KV cache waits in host memory."),
+    "swapped_out_blocks_total": (CounterMetricFamily, "KV blocks copied to host memory."),
+}
 
 
-def render_metric(name: str, kind: str, help_text: str, value: float) -> list[str]:
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+class EngineStats(Collector):
+    """Every number of `engine.stats()`, read when /metrics is scraped, as `llm_<name>`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in self.engine.stats().items():
+            family, help_text = ENGINE_STATS.get(name, (GaugeMetricFamily, f"Engine.stats()[{name!r}]."))
+            yield family(f"llm_{name}", help_text, value=value)
+
+
+class ServingMetrics:
+    """The metrics of one served engine, on a registry of their own rather than prometheus_client's global
+    one, so that several servers in one process (as in the tests) do not collide."""
+
+    def __init__(self, engine: Engine, open_streams: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineStats(engine))
+        Gauge("llm_open_streams", "HTTP-side request queues open.", registry=self.registry).set_function(open_streams)
+        # Counted by the step loop.
+        self.requests_finished = Counter("llm_requests_finished", "Requests that finished.", registry=self.registry)
+        self.requests_aborted = Counter("llm_requests_aborted", "Requests aborted (client gone).",
+                                        registry=self.registry)
+        self.generation_tokens = Counter("llm_generation_tokens", "Tokens generated.", registry=self.registry)
+        self.engine_steps = Counter("llm_engine_steps", "Engine steps run.", registry=self.registry)
+        self.ttft_seconds = Histogram("llm_time_to_first_token_seconds", "Time to first token.",
+                                      buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.tpot_seconds = Histogram("llm_time_per_output_token_seconds", "Time per output token after the first.",
+                                      buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        """Everything, in the Prometheus text format."""
+        return generate_latest(self.registry)
