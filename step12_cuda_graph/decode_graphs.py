@@ -184,8 +184,9 @@ class DecodeGraphs:
         return PagedAttentionForward(self.cache, self.backend, meta, positions)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Each row's greedy token, for a batch where every row is greedy: no sampler's work."""
-        return self.model.compute_logits(hidden).argmax(dim=-1)
+        """Each row's greedy token, for a batch where every row is greedy: no sampler's work. The logits stay in
+        the model's dtype (widening them to float32 is exact, so the token would be the same)."""
+        return self.model.lm_head(self.model.model.norm(hidden)).argmax(dim=-1)
 
     def capture_all(self) -> None:
         """Record every bucket's graphs, largest first, all in one memory pool (they never run at once)."""
