@@ -38,52 +38,6 @@ class ForwardContext(ABC):
         Returns [num_tokens, num_heads, head_dim].
         """
 
-    # The work around attention. These defaults are plain PyTorch, one matrix multiply per projection and
-    # several small kernels per element-wise chain; a context may run them fused instead (step 12 does, where
-    # the launches are replayed from a CUDA graph and each kernel's fixed cost is what remains).
-    def project(self, x: torch.Tensor, projections: tuple[nn.Linear, ...], norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """x through linear layers that all take it as input (q, k and v; gate and up; or just one).
-
-        With `norm`, they take norm(x) instead; with `residual` (one projection), the result is residual plus
-        the projection: the residual stream after this sublayer. The norm before a projection and the add
-        after it are asked for here, with the projection, so that a context can fold them into its kernels."""
-        if norm is not None:
-            x = self.rms_norm(norm, x)
-        outputs = tuple(projection(x) for projection in projections)
-        return outputs if residual is None else tuple(residual + output for output in outputs)
-
-    def rms_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        return norm(x)
-
-    def embed(self, embedding: nn.Embedding, input_ids: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """The embedding rows of `input_ids`: the residual stream that the first layer reads through `norm`
-        (named, so that a context can make the rows ready for it as it looks them up)."""
-        return embedding(input_ids)
-
-    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim]."""
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-    def rotate_and_attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """RoPE on q and k, then `attend`: asked for together, so that a context can write the rotated k
-        into its cache as it rotates it."""
-        q, k = self.rotate(q, k, cos, sin)
-        return self.attend(layer_idx, q, k, v)
-
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """The gated MLP's activation: silu(gate) * up."""
-        return F.silu(gate) * up
-
-    def greedy_tokens(self, x: torch.Tensor, head: nn.Linear, norm: RMSNorm) -> torch.Tensor:
-        """Each row's greedy token: the argmax of head(norm(x)). Asked for as a token, not as logits, so that a
-        context can find it inside the head's matrix multiply. The logits stay in the model's dtype: widening
-        them to float32 is exact, so the token would be the same."""
-        (logits,) = self.project(x, (head,), norm)
-        return logits.argmax(dim=-1)
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -142,19 +96,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]
-                ) -> torch.Tensor:
-        """x plus attention over norm(x)."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Attention over x (already normalised): project, rotate, attend through `ctx`, project back."""
         tokens = x.shape[0]
-        q, k, v = ctx.project(x, (self.q_proj, self.k_proj, self.v_proj), norm)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = ctx.rms_norm(self.q_norm, q), ctx.rms_norm(self.k_norm, k)
-        out = ctx.rotate_and_attend(self.layer_idx, q, k, v, *rope)
-        (x,) = ctx.project(out.reshape(tokens, self.num_heads * self.head_dim), (self.o_proj,), residual=x)
-        return x
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ctx.attend(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -164,11 +117,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm, ctx: ForwardContext) -> torch.Tensor:
-        """x plus the MLP of norm(x)."""
-        gate, up = ctx.project(x, (self.gate_proj, self.up_proj), norm)
-        (x,) = ctx.project(ctx.silu_mul(gate, up), (self.down_proj,), residual=x)
-        return x
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP: down(silu(gate(x)) * up(x))."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -180,10 +131,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The residual stream x after this layer. Each sublayer reads its norm of x and adds its output to x;
-        both are asked of `ctx` together with the projection next to them (`ForwardContext.project`)."""
-        x = self.self_attn(x, self.input_layernorm, ctx, rope)
-        return self.mlp(x, self.post_attention_layernorm, ctx)
+        """The residual stream x after this layer: each sublayer reads its norm of x and adds its output to x."""
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderBody(nn.Module):
@@ -224,23 +174,12 @@ class CausalLM(nn.Module):
         """The residual stream after the last layer, one row per input token: [num_tokens, hidden_size]. The
         final norm is applied by `compute_logits`, to the rows sampled from."""
         assert self.rope is not None, "call prepare(device) after loading the weights"
-        x = ctx.embed(self.model.embed_tokens, input_ids, self.model.layers[0].input_layernorm)
+        x = self.model.embed_tokens(input_ids)
         rope = self.rope.lookup(ctx.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, ctx, rope)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """Float32 logits for the rows we sample from (usually each request's last token only): the final norm
-        and the head's projection, asked of `ctx` if given."""
-        if ctx is None:
-            return self.lm_head(self.model.norm(hidden)).float()
-        (logits,) = ctx.project(hidden, (self.lm_head,), self.model.norm)
-        return logits.float()
-
-    def greedy_tokens(self, hidden: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        """The argmax of each row's logits, where every row is greedy: asked of `ctx` if given, which may
-        find it without making the logits at all (step 12 does, inside the head's matrix multiply)."""
-        if ctx is None:
-            return self.lm_head(self.model.norm(hidden)).argmax(dim=-1)
-        return ctx.greedy_tokens(hidden, self.lm_head, self.model.norm)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the rows we sample from (usually each request's last token only)."""
+        return self.lm_head(self.model.norm(hidden)).float()

@@ -38,6 +38,8 @@ STEPS: tuple[Step, ...] = (
          "step07_preemption.engine:PreemptionEngine"),
     Step("step12_cuda_graph", "decode replayed as CUDA graphs per batch bucket (eager on a CPU)",
          "step12_cuda_graph.engine:CudaGraphEngine"),
+    Step("step13_fused_decode", "fewer, larger kernels: packed projections, fused element-wise chains, own matmul, PDL",
+         "step13_fused_decode.engine:FusedDecodeEngine"),
 )
 STEP_NAMES: tuple[str, ...] = tuple(step.name for step in STEPS)
 

@@ -24,9 +24,11 @@ parity() {
       python step06_paged_attention/run.py --dry-run --device cuda --attn "$attn"
     done
     python step12_cuda_graph/run.py --dry-run --device cuda --attn triton
+    python step13_fused_decode/run.py --dry-run --device cuda --attn triton
     # The embedded model's weights are not carried to the GPU machine: its tests run on CPU in CI.
     python -m pytest -q -m "not embedded" tests/test_triton_kernels.py tests/test_step06.py tests/test_step12.py \
-      tests/test_fused_kernels.py tests/test_skinny_matmul.py tests/test_packed_projections.py
+      tests/test_step13_engine.py tests/test_step13_fused_kernels.py tests/test_step13_skinny_matmul.py \
+      tests/test_step13_packed_projections.py
   } 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/dry-run-cuda.txt"
 }
 
@@ -71,25 +73,29 @@ graphs_large() {
 }
 
 profile_step() {
-  echo "== step12: where a replayed decode step's GPU time goes, at batch 1, 8 and 64: plain, fused ops on cuBLAS, fused ops on the skinny matmul, and with PDL"
-  python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 \
+  echo "== step13: where a replayed decode step's GPU time goes, at batch 1, 8 and 64: plain, fused ops on cuBLAS, fused ops on the skinny matmul, and with PDL"
+  python step13_fused_decode/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 \
     --output "$OUT/profile-cuda-random-qwen2.5-7b.json"
 }
 
 step12_ablation() {
-  echo "== step12 end to end with each of its optimisations switched off in turn: random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
-  for switches in "--no-fused-ops --no-overlap" "--fused-ops --no-skinny-matmul --no-pdl --no-overlap" \
-                  "--fused-ops --no-skinny-matmul --no-pdl --overlap" "--fused-ops --skinny-matmul --no-pdl --overlap" \
-                  "--fused-ops --skinny-matmul --pdl --overlap"; do
+  echo "== step12 and step13 end to end with each of their optimisations switched off in turn: random:qwen2.5-7b, bf16, 32-token prompts, 128 new tokens"
+  for switches in "--no-overlap" "--overlap"; do
     python step12_cuda_graph/run.py --bench --model random:qwen2.5-7b --device cuda --batch-sizes 1,8,64 \
       --max-tokens 128 --repeats 2 --no-hf $switches --bench-output "$OUT/step12-bench${switches// /}.json"
+  done
+  for switches in "--fused-ops --no-skinny-matmul --no-pdl --no-overlap" \
+                  "--fused-ops --no-skinny-matmul --no-pdl --overlap" "--fused-ops --skinny-matmul --no-pdl --overlap" \
+                  "--fused-ops --skinny-matmul --pdl --overlap"; do
+    python step13_fused_decode/run.py --bench --model random:qwen2.5-7b --device cuda --batch-sizes 1,8,64 \
+      --max-tokens 128 --repeats 2 --no-hf $switches --bench-output "$OUT/step13-bench${switches// /}.json"
   done
 }
 
 compare_graphs() {
-  echo "== step12 against step06 and HF generate() (default, and static cache + torch.compile): random:qwen2.5-7b, bf16"
+  echo "== step12 and step13 against step06 and HF generate() (default, and static cache + torch.compile): random:qwen2.5-7b, bf16"
   python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,8,32,64 --max-tokens 128 \
-    --steps step06_paged_attention,step12_cuda_graph --hf-static-max-batch 8 --repeats 2 \
+    --steps step06_paged_attention,step12_cuda_graph,step13_fused_decode --hf-static-max-batch 8 --repeats 2 \
     --output "$OUT/compare-cuda-random-qwen2.5-7b-step06-step12.json"
 }
 
@@ -108,8 +114,8 @@ checkpoint_memory() {
 }
 
 matmul_bench() {
-  echo "== step12: the skinny matrix multiply against cuBLAS at Qwen2.5-7B's projection shapes, 1 to 16 rows"
-  python step12_cuda_graph/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16 \
+  echo "== step13: the skinny matrix multiply against cuBLAS at Qwen2.5-7B's projection shapes, 1 to 16 rows"
+  python step13_fused_decode/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16 \
     --output "$OUT/matmul-bench-cuda-qwen2.5-7b.json"
 }
 

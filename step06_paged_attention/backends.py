@@ -46,7 +46,7 @@ class AttentionBackend(ABC):
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:
         """Store the new tokens' K/V at their slots: one scatter for the whole batch."""
-        slots = meta.slot_mapping.long()  # step 12 keeps it in int32, beside the block table
+        slots = meta.slot_mapping.long()  # index_copy_ takes int64 indices
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
@@ -114,13 +114,13 @@ class TritonBackend(AttentionBackend):
     def __init__(self, num_sms: int) -> None:
         from step06_paged_attention import triton_kernels
 
-        self.kernels = triton_kernels
+        self.kernels = triton_kernels.PagedAttentionKernels()
+        self.paged_prefill = triton_kernels.paged_prefill
         self.num_sms = num_sms
         # Where the decode kernel's splits count in; every call leaves them at zeros, so they are kept, not
         # zeroed per call (a decode graph then records no extra kernel for them). A larger batch gets a new
         # buffer, but the old ones stay alive: a captured graph may still write to them.
         self.arrived_buffers: list[torch.Tensor] = []
-        self.pdl = False  # step 12 turns it on: the decode kernels launched with programmatic dependent launch
 
     def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
         """Split long sequences when batch x KV heads alone would leave most of the GPU idle. Fill one wave
@@ -135,7 +135,7 @@ class TritonBackend(AttentionBackend):
         return max(1, min(one_wave, max_seq_len // tokens_per_split, 32))
 
     def write_kv(self, k_cache, v_cache, k, v, meta):
-        self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, pdl=self.pdl)
+        self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def decode(self, q, k_cache, v_cache, meta):
         batch, kv_heads = q.shape[0], k_cache.shape[2]
@@ -143,11 +143,11 @@ class TritonBackend(AttentionBackend):
         if not self.arrived_buffers or self.arrived_buffers[-1].numel() < batch * kv_heads:
             self.arrived_buffers.append(torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device))
         return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, num_splits=splits,
-                                         arrived=self.arrived_buffers[-1], pdl=self.pdl)
+                                         arrived=self.arrived_buffers[-1])
 
     def prefill(self, q, k_cache, v_cache, meta):
-        return self.kernels.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens,
-                                          meta.max_q_len)
+        return self.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens,
+                                  meta.max_q_len)
 
 
 class FlashAttnBackend(AttentionBackend):

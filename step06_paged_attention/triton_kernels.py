@@ -21,13 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from common.dependent_launch import wait_for_previous_kernel
-
 
 @triton.jit
 def _write_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS, stride_k_t, stride_v_t, stride_slot,
-                     ROW: tl.constexpr, ROW_PAD: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                     ROW: tl.constexpr, ROW_PAD: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(SLOTS + t).to(tl.int64)
     cols = tl.arange(0, ROW_PAD)
@@ -36,18 +33,6 @@ def _write_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS, stride_k_t, stride_v
     v = tl.load(V_NEW + t * stride_v_t + cols, mask=mask)
     tl.store(K_CACHE + slot * stride_slot + cols, k, mask=mask)
     tl.store(V_CACHE + slot * stride_slot + cols, v, mask=mask)
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, pdl: bool = False) -> None:
-    """k, v: [tokens, kv_heads, head_dim], each token's row contiguous (tokens may be strided, as in slices of
-    one packed projection); caches: one layer, [num_blocks, block_size, kv_heads, head_dim]. `pdl`: launch
-    with programmatic dependent launch (step 12, `common/dependent_launch.py`)."""
-    tokens, kv_heads, head_dim = k.shape
-    row = kv_heads * head_dim
-    k, v = k.reshape(tokens, row), v.reshape(tokens, row)
-    _write_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), row,
-                                ROW=row, ROW_PAD=triton.next_power_of_2(row), PDL=pdl, launch_pdl=pdl)
 
 
 DECODE_TILE = 64  # tokens of K/V a decode program loads per loop iteration
@@ -95,9 +80,8 @@ def _paged_decode_split_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L, ARRIVED, OUT, scale,
     stride_qb, stride_qh, stride_bt, stride_slot, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, MERGE_HERE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -160,9 +144,7 @@ def _paged_decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
-                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -179,48 +161,68 @@ def _merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_
     tl.store(OUT + b * stride_ob + h * stride_oh + d, out.to(OUT.dtype.element_ty))
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, num_splits: int = 1, tile: int = DECODE_TILE,
-                 num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
-                 arrived: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """q: [batch, heads, head_dim]; caches: one layer, [num_blocks, block_size, kv_heads, head_dim];
-    block_table: [batch, max_blocks] int32; seq_lens: [batch] int32 (tokens cached, the new one included).
-    Returns [batch, heads, head_dim] in q's dtype.
+class PagedAttentionKernels:
+    """The launches of the kernels above: grids, strides and scratch buffers. The kernels are class attributes,
+    so that launching the same kernel bodies another way is a subclass, not a copy of these launches."""
 
-    How the splits of a row are merged (measured on the H200, `kernel_bench.py`): with up to
-    MERGE_IN_KERNEL_MAX_SPLITS, by the split that finishes last, which saves launching a second kernel;
-    with more, by that second kernel, one program per head, because one program adding up 16 or 32 splits
-    in turn is slower than the launch it saves. Merging in the kernel needs `arrived`: int32 zeros, at
-    least batch x kv_heads, where the splits count in (and which they leave at 0); pass a buffer kept for
-    the purpose, or one is zeroed for the call. `pdl`: launch with programmatic dependent launch (step 12,
-    `common/dependent_launch.py`)."""
-    batch, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    group = heads // kv_heads
-    acc = torch.empty(batch, heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
-    m = torch.empty(batch, heads, num_splits, device=q.device, dtype=torch.float32)
-    l = torch.empty_like(m)
-    merge_here = 1 < num_splits <= MERGE_IN_KERNEL_MAX_SPLITS
-    if merge_here and arrived is None:
-        arrived = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device)
-    elif merge_here and arrived.numel() < batch * kv_heads:
-        raise ValueError(f"`arrived` needs {batch * kv_heads} counters, has {arrived.numel()}")
-    out = torch.empty_like(q)
-    _paged_decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, acc, m, l, arrived if merge_here else m, out, head_dim**-0.5,
-        q.stride(0), q.stride(1), block_table.stride(0), kv_heads * head_dim,
-        acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, MERGE_HERE=merge_here, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, PRECISION=dot_precision(q.dtype), PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
-    )
-    if num_splits > MERGE_IN_KERNEL_MAX_SPLITS:
-        _merge_splits_kernel[(batch, heads)](
-            acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
-            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
-            PDL=pdl, launch_pdl=pdl,
+    write_kv_kernel = _write_kv_kernel
+    decode_kernel = _paged_decode_split_kernel
+    merge_kernel = _merge_splits_kernel
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """k, v: [tokens, kv_heads, head_dim], each token's row contiguous (tokens may be strided, as in slices
+        of one projection's output); caches: one layer, [num_blocks, block_size, kv_heads, head_dim]."""
+        tokens, kv_heads, head_dim = k.shape
+        row = kv_heads * head_dim
+        k, v = k.reshape(tokens, row), v.reshape(tokens, row)
+        self.write_kv_kernel[(tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), row,
+                                        ROW=row, ROW_PAD=triton.next_power_of_2(row))
+
+    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, num_splits: int = 1, tile: int = DECODE_TILE,
+                     num_warps: int = DECODE_WARPS, num_stages: int = DECODE_STAGES,
+                     arrived: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [batch, heads, head_dim]; caches: one layer, [num_blocks, block_size, kv_heads, head_dim];
+        block_table: [batch, max_blocks] int32; seq_lens: [batch] int32 (tokens cached, the new one included).
+        Returns [batch, heads, head_dim] in q's dtype.
+
+        How the splits of a row are merged (measured on the H200, `kernel_bench.py`): with up to
+        MERGE_IN_KERNEL_MAX_SPLITS, by the split that finishes last, which saves launching a second kernel;
+        with more, by that second kernel, one program per head, because one program adding up 16 or 32 splits
+        in turn is slower than the launch it saves. Merging in the kernel needs `arrived`: int32 zeros, at
+        least batch x kv_heads, where the splits count in (and which they leave at 0); pass a buffer kept for
+        the purpose, or one is zeroed for the call."""
+        batch, heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        group = heads // kv_heads
+        acc = torch.empty(batch, heads, num_splits, head_dim, device=q.device, dtype=torch.float32)
+        m = torch.empty(batch, heads, num_splits, device=q.device, dtype=torch.float32)
+        l = torch.empty_like(m)
+        merge_here = 1 < num_splits <= MERGE_IN_KERNEL_MAX_SPLITS
+        if merge_here and arrived is None:
+            arrived = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device)
+        elif merge_here and arrived.numel() < batch * kv_heads:
+            raise ValueError(f"`arrived` needs {batch * kv_heads} counters, has {arrived.numel()}")
+        out = torch.empty_like(q)
+        self.decode_kernel[(batch, kv_heads, num_splits)](
+            q, k_cache, v_cache, block_table, seq_lens, acc, m, l, arrived if merge_here else m, out, head_dim**-0.5,
+            q.stride(0), q.stride(1), block_table.stride(0), kv_heads * head_dim,
+            acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, MERGE_HERE=merge_here, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, PRECISION=dot_precision(q.dtype),
+            num_warps=num_warps, num_stages=num_stages,
         )
-    return out
+        if num_splits > MERGE_IN_KERNEL_MAX_SPLITS:
+            self.merge_kernel[(batch, heads)](
+                acc, m, l, out, acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
+                NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+            )
+        return out
+
+
+KERNELS = PagedAttentionKernels()
+write_kv, paged_decode = KERNELS.write_kv, KERNELS.paged_decode  # as functions, for the tests and benchmarks
 
 
 @triton.jit

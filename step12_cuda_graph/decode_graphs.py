@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import fields
 
 import torch
@@ -34,7 +34,7 @@ import torch
 from common.model import CausalLM
 from common.sampling import SamplingParams, SamplingTensors, sample_rows
 from step02_paged_kv.kv_cache import PagedKVCache
-from step06_paged_attention.backends import AttentionBackend, AttentionMetadata, TritonBackend
+from step06_paged_attention.backends import AttentionBackend, AttentionMetadata
 from step06_paged_attention.engine import PagedAttentionForward
 
 # Padded rows in a sampling batch: greedy, so they never touch the noise; a fixed seed keeps them cheap.
@@ -131,24 +131,12 @@ class PendingTokens:
 
 class DecodeGraphs:
     """The decode forward (embedding, layers, logits, sampling) on static buffers, captured once per
-    bucket and per sampling mode (greedy-only batches skip the sampler's work and ask the model for tokens,
-    not logits), then replayed."""
+    bucket and per sampling mode (greedy-only batches skip the sampler's work: `greedy_tokens`), then
+    replayed."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
-                 dummy_block: int, max_batch: int, capture: bool, fused_ops: bool = False,
-                 skinny_matmul: bool = False, pdl: bool = False) -> None:
+                 dummy_block: int, max_batch: int, capture: bool) -> None:
         self.model, self.cache, self.backend, self.max_model_len = model, cache, backend, max_model_len
-        self.make_context: Callable[[AttentionMetadata, torch.Tensor], PagedAttentionForward] = (
-            lambda meta, positions: PagedAttentionForward(cache, backend, meta, positions))
-        self.fused_ops, self.skinny_matmul, self.pdl = fused_ops, skinny_matmul, pdl
-        if fused_ops:  # imported only when asked for: Triton is not installed everywhere
-            from step12_cuda_graph.fused_forward import FusedOpsForward
-            from step12_cuda_graph.packed_projections import PackedProjections
-
-            packed = PackedProjections(model, skinny=skinny_matmul, pdl=pdl)
-            if pdl and isinstance(backend, TritonBackend):  # attention too, so the o projection is placed early
-                backend.pdl = True
-            self.make_context = lambda meta, positions: FusedOpsForward(cache, backend, meta, positions, packed, pdl)
         self.device = model.device
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
@@ -183,14 +171,22 @@ class DecodeGraphs:
         # A row launched before the host saw its input token reads it from the previous replay's output.
         previous = s.previous_rows[:bucket]
         input_ids = torch.where(previous >= 0, self.tokens[previous.clamp(min=0)], s.input_ids[:bucket])
-        ctx = self.make_context(meta, positions)
-        hidden = self.model(input_ids, ctx)
+        hidden = self.model(input_ids, self.context(meta, positions))
         if sampled:
-            logits = self.model.compute_logits(hidden, ctx)
+            logits = self.model.compute_logits(hidden)
             rows = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:bucket] for f in fields(SamplingTensors)})
             self.tokens[:bucket] = sample_rows(logits, rows)
-        else:  # the context may find the tokens without making logits (step 12's skinny head does)
-            self.tokens[:bucket] = self.model.greedy_tokens(hidden, ctx)
+        else:
+            self.tokens[:bucket] = self.greedy_tokens(hidden)
+
+    def context(self, meta: AttentionMetadata, positions: torch.Tensor) -> PagedAttentionForward:
+        """Step 06's paged-attention context, over the static buffers."""
+        return PagedAttentionForward(self.cache, self.backend, meta, positions)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy token, for a batch where every row is greedy: no sampler's work. The logits stay in
+        the model's dtype (widening them to float32 is exact, so the token would be the same)."""
+        return self.model.lm_head(self.model.model.norm(hidden)).argmax(dim=-1)
 
     def capture_all(self) -> None:
         """Record every bucket's graphs, largest first, all in one memory pool (they never run at once)."""
@@ -265,14 +261,9 @@ class DecodeGraphs:
         return self.graphs.get((bucket, sampled, self.frozen_len_for(bucket, longest)))
 
     def describe(self) -> str:
-        fused = ""
-        if self.fused_ops:
-            skinny = ", skinny matrix multiplies" if self.skinny_matmul else ""
-            pdl = ", launched with programmatic dependent launch" if self.pdl else ""
-            fused = f", fused ops: packed projections{skinny}, fused element-wise kernels{pdl}"
         if not self.graphs:
-            return f"decode on static buffers, eager (buckets {self.buckets}{fused})"
+            return f"decode on static buffers, eager (buckets {self.buckets})"
         short = [bucket for bucket, lens in self.frozen_lens.items() if len(lens) > 1]
         short_too = f", buckets {short} also for contexts up to {SHORT_CONTEXT} tokens" if short else ""
-        return (f"{len(self.graphs)} CUDA graphs (buckets {self.buckets}{short_too}, greedy and sampling{fused}) "
+        return (f"{len(self.graphs)} CUDA graphs (buckets {self.buckets}{short_too}, greedy and sampling) "
                 f"captured in {self.capture_seconds:.1f} s, {self.capture_bytes / 2**20:.0f} MiB of graph memory")

@@ -21,7 +21,6 @@ import torch
 from common.loading import LoadedModel
 from common.request import Request, RequestOutput
 from step02_paged_kv.kv_cache import PagedKVCache
-from step06_paged_attention.backends import require_triton_device
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step12_cuda_graph.decode_graphs import GRAPH_BYTES_PER_LOGIT, DecodeGraphs, PendingTokens
 
@@ -44,16 +43,6 @@ class LaunchedDecode:
 class CudaGraphEngineConfig(PreemptionEngineConfig):
     cuda_graph: bool = True  # False: step 07's eager decode, for comparison
     max_graph_batch: int = 256  # larger decode batches run eagerly
-    # Decode with packed projections and one Triton kernel per element-wise chain (`fused_forward.py`).
-    # None: on wherever decode is captured, the case it was measured for; True on CPU needs TRITON_INTERPRET=1.
-    fused_ops: bool | None = None
-    # With fused ops, projections of at most 16 rows through our own skinny matrix multiply, not cuBLAS.
-    # None: whenever fused ops are on.
-    skinny_matmul: bool | None = None
-    # With fused ops, launch their kernels and step 06's attention kernels with programmatic dependent launch
-    # (`common/dependent_launch.py`).
-    # None: wherever decode is captured on a GPU that has it (compute capability 9.0 or later).
-    pdl: bool | None = None
     # Launch each decode step before the host turns the previous step's tokens into text (`launch_ahead`).
     # None: on wherever decode is captured (eagerly, on a CPU, there is nothing to overlap).
     overlap: bool | None = None
@@ -64,38 +53,24 @@ class CudaGraphEngine(PreemptionEngine):
     reserved_blocks = 1  # the dummy block: padded rows write their K/V there, and nobody reads it
 
     def __init__(self, loaded: LoadedModel, config: CudaGraphEngineConfig) -> None:
-        if config.fused_ops and not config.cuda_graph:
-            raise ValueError("--fused-ops changes the graph decode path: drop --no-cuda-graph to use it")
         super().__init__(loaded, config)
         self.dummy_block = self.allocator.num_blocks  # the one block past those the allocator hands out
         self.graphs: DecodeGraphs | None = None
         self.eager_reason = self.why_not_capture(config)
-        fused_ops = self.eager_reason is None if config.fused_ops is None else config.fused_ops
-        if fused_ops:
-            require_triton_device(self.device)
-        skinny_matmul = fused_ops if config.skinny_matmul is None else config.skinny_matmul
-        if skinny_matmul and not fused_ops:
-            raise ValueError("--skinny-matmul runs the packed projections of the fused decode path: add --fused-ops")
-        can_pdl = fused_ops and self.supports_pdl(self.device)
-        pdl = can_pdl and self.eager_reason is None if config.pdl is None else config.pdl
-        if pdl and not can_pdl:
-            raise ValueError("--pdl launches the fused decode path's kernels with programmatic dependent launch, "
-                             "which needs --fused-ops and a GPU of compute capability 9.0 or later: drop --pdl")
         self.overlap = self.eager_reason is None if config.overlap is None else config.overlap
         self.ahead: LaunchedDecode | None = None  # launched during this step, for the next one
         self.launched_ahead: LaunchedDecode | None = None  # launched during the last step, for this one
         self.steps_launched_ahead = 0
         self.steps_taken_from_ahead = 0  # the others were launched again (their batch had changed)
         if config.cuda_graph:
-            self.graphs = DecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
-                                       self.max_graph_batch(config), capture=self.eager_reason is None,
-                                       fused_ops=fused_ops, skinny_matmul=skinny_matmul, pdl=pdl)
+            self.graphs = self.build_graphs(config)
         print(f"[{type(self).__name__}] decode: {self.graph_status()}", flush=True)  # said at start-up
 
-    @staticmethod
-    def supports_pdl(device: torch.device) -> bool:
-        """Whether kernels on `device` can use programmatic dependent launch (compute capability 9.0 or later)."""
-        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    def build_graphs(self, config: CudaGraphEngineConfig) -> DecodeGraphs:
+        """The decode forward on static buffers, captured where it can be (a method: what is captured is the
+        one thing a later step changes)."""
+        return DecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
+                            self.max_graph_batch(config), capture=self.eager_reason is None)
 
     @staticmethod
     def max_graph_batch(config: CudaGraphEngineConfig) -> int:

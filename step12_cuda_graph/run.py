@@ -22,16 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay decode steps as CUDA graphs (default; on CPU the same path runs eagerly)")
     graphs.add_argument("--max-graph-batch", type=int, default=256,
                         help="the largest decode batch with a graph; larger batches run eagerly (default 256)")
-    graphs.add_argument("--fused-ops", action=argparse.BooleanOptionalAction, default=None,
-                        help="decode with packed projections and one Triton kernel per element-wise chain "
-                             "(default: on wherever decode is captured as graphs)")
-    graphs.add_argument("--skinny-matmul", action=argparse.BooleanOptionalAction, default=None,
-                        help="with --fused-ops, run projections of at most 16 rows through our own matrix multiply "
-                             "instead of cuBLAS (default: whenever fused ops are on)")
-    graphs.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
-                        help="with --fused-ops, launch their kernels and step 06's attention kernels with "
-                             "programmatic dependent launch "
-                             "(default: wherever decode is captured on a GPU of compute capability 9.0 or later)")
     graphs.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                         help="launch each decode step before the host has processed the previous one's tokens "
                              "(default: on wherever decode is captured as graphs)")

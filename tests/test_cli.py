@@ -223,7 +223,7 @@ def test_runs_is_ignored_by_git() -> None:
 
 BENCH_SCRIPTS = ["common/cli.py", "compare.py", "step06_paged_attention/kernel_bench.py",
                  "step07_preemption/bench_preempt.py", "step08_serve/bench_serve.py",
-                 "step12_cuda_graph/profile_step.py", "step12_cuda_graph/matmul_bench.py",
+                 "step13_fused_decode/profile_step.py", "step13_fused_decode/matmul_bench.py",
                  "step12_cuda_graph/bench_host.py"]
 
 

@@ -7,6 +7,8 @@ and `test_captured_graphs_match_step06_on_cuda` replays real graphs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -69,14 +71,6 @@ def test_cpu_says_it_runs_eagerly() -> None:
     engine = CudaGraphEngine(load_model("tiny-llama"), CudaGraphEngineConfig(device="cpu", num_blocks=16))
     assert "eager" in engine.graph_status() and "CUDA device" in engine.graph_status()
     assert engine.dummy_block == 16 and engine.cache.num_blocks == 17 and engine.allocator.num_blocks == 16
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine Triton's interpreter is off, so the fused "
-                    "path cannot run on the CPU device this test uses")
-def test_pdl_needs_a_gpu_that_has_it() -> None:
-    with pytest.raises(ValueError, match="drop --pdl"):
-        CudaGraphEngine(load_model("tiny-llama"), CudaGraphEngineConfig(device="cpu", num_blocks=16, fused_ops=True,
-                                                                        pdl=True))
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -184,13 +178,9 @@ def test_embedded_model_matches_hf(embedded: LoadedModel, embedded_hf, embedded_
         assert report.ok, report.describe()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")
-@pytest.mark.parametrize("fused_ops, pdl", [(False, None), (True, False), (True, None)])  # None: where the GPU has it
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
-def test_captured_graphs_match_step06_on_cuda(model: str, fused_ops: bool, pdl: bool | None) -> None:
+def check_graphs_match_step06_on_cuda(model: str, make_engine: Callable[[LoadedModel, int], CudaGraphEngine]) -> None:
     """fp32, our Triton kernels in both engines: replayed graphs give step 06's eager tokens, with
-    arrivals, non-bucket batches and a budget tight enough to preempt; fused ops with and without
-    programmatic dependent launch."""
+    arrivals, non-bucket batches and a budget tight enough to preempt (step 13 runs it on its fused path)."""
     loaded = load_model(model, device="cuda", dtype=torch.float32)
     prompts = [loaded.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:7]]
     params = [SamplingParams(max_tokens=10 + 2 * i) for i in range(7)]
@@ -198,11 +188,8 @@ def test_captured_graphs_match_step06_on_cuda(model: str, fused_ops: bool, pdl: 
                                                                       attn="triton"))
     expected = staggered_generate(step06, prompts, params, arrive_every=1)
     for num_blocks in (64, 10):
-        engine = CudaGraphEngine(loaded, CudaGraphEngineConfig(device="cuda", block_size=16, num_blocks=num_blocks,
-                                                               attn="triton", max_graph_batch=8, fused_ops=fused_ops,
-                                                               pdl=pdl))
+        engine = make_engine(loaded, num_blocks)
         assert engine.eager_reason is None and engine.graphs is not None and engine.graphs.graphs
-        assert engine.graphs.pdl == (fused_ops and pdl is None and engine.supports_pdl(engine.device))
         outputs = staggered_generate(engine, prompts, params, arrive_every=1)
         # The graphs fix the decode kernel's split count, so float32 sums may be ordered differently from
         # step 06's: a token may differ only where HF shows the two candidates tied.
@@ -212,6 +199,13 @@ def test_captured_graphs_match_step06_on_cuda(model: str, fused_ops: bool, pdl: 
         assert engine.allocator.num_used == 0
         if num_blocks == 10:
             assert engine.preemptions >= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_captured_graphs_match_step06_on_cuda(model: str) -> None:
+    check_graphs_match_step06_on_cuda(model, lambda loaded, num_blocks: CudaGraphEngine(loaded, CudaGraphEngineConfig(
+        device="cuda", block_size=16, num_blocks=num_blocks, attn="triton", max_graph_batch=8)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")

@@ -1,4 +1,4 @@
-"""step12's skinny matrix multiply against F.linear, and the packed projections that use it.
+"""step13's skinny matrix multiply against F.linear, and the packed projections that use it.
 
 Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py), in float32
 (the interpreter's bfloat16 `tl.dot` returns wrong numbers); on a GPU bfloat16 is checked too. Shapes are uneven:
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 pytest.importorskip("triton", reason="Triton is not installed (it ships for Linux x86-64 only)")
 from common.loading import load_model  # noqa: E402
 from common.model import RMSNorm  # noqa: E402
-from step12_cuda_graph.packed_projections import PackedProjections  # noqa: E402
-from step12_cuda_graph.skinny_matmul import (  # noqa: E402
+from step13_fused_decode.packed_projections import PackedProjections  # noqa: E402
+from step13_fused_decode.skinny_matmul import (  # noqa: E402
     MAX_ROWS, ArgmaxState, SkinnyConfig, skinny_config, skinny_linear, skinny_linear_add, skinny_linear_argmax)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,7 +79,7 @@ def test_skinny_linear_add_makes_the_next_norm_ready(dtype: torch.dtype, rows: i
 
 @pytest.mark.parametrize("model_name", ["tiny-qwen2", "tiny-llama"])  # with and without q/k/v biases
 def test_skinny_projections_match_the_layers(model_name: str) -> None:
-    """A layer's projections as the fused context runs them, each add made ready for the norm after it: at a
+    """A layer's projections as the fused model runs them, each add made ready for the norm after it: at a
     decode batch (the skinny kernel, no norm kernel) and past MAX_ROWS (cuBLAS and the add-and-norm kernel).
     The last layer, so that its down projection is made ready for the final norm and the output head (its
     logits, and at a decode batch its greedy tokens)."""

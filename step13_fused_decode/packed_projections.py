@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.model import CausalLM, RMSNorm
-from step12_cuda_graph import fused_kernels
-from step12_cuda_graph.skinny_matmul import (MAX_ROWS, ArgmaxState, SkinnyConfig, device_limits, skinny_config,
+from step13_fused_decode import fused_kernels
+from step13_fused_decode.skinny_matmul import (MAX_ROWS, ArgmaxState, SkinnyConfig, device_limits, skinny_config,
                                              skinny_linear, skinny_linear_add, skinny_linear_argmax)
 
 
@@ -36,7 +36,7 @@ class PreparedNorm:
     of squares in parts, so the next projection normalises as it multiplies, and no norm kernel runs at all."""
 
     stream: torch.Tensor
-    norm: RMSNorm
+    norm: RMSNorm | None  # None: made ready for no norm (embeddings looked up as they are)
     normed: torch.Tensor | None = None
     scaled: torch.Tensor | None = None
     squares: torch.Tensor | None = None

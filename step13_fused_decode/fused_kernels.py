@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.dependent_launch import wait_for_previous_kernel
+from step13_fused_decode.dependent_launch import wait_for_previous_kernel
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def _rms_norm_kernel(X, W, OUT, stride_x, stride_out, n, eps, BLOCK: tl.constexp
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
     """RMSNorm over the last dimension of x (any leading shape, last dimension contiguous). `pdl`: launch
-    with programmatic dependent launch (`common/dependent_launch.py`)."""
+    with programmatic dependent launch (`step13_fused_decode/dependent_launch.py`)."""
     n = x.shape[-1]
     rows = x.reshape(-1, n)
     out = torch.empty_like(rows)

@@ -1,4 +1,4 @@
-"""step12's fused element-wise kernels against common/model.py's PyTorch versions, and the engine on them.
+"""step13's fused element-wise kernels against common/model.py's PyTorch versions, and the engine on them.
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py), in float32;
 on a GPU bfloat16 is checked too. Inputs are random, never zeros; shapes are uneven (a hidden size that is
@@ -19,9 +19,9 @@ from common.model import RMSNorm, RotaryEmbedding, apply_rope  # noqa: E402
 from common.prompts import PARITY_PROMPTS  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from step01_serial.engine import SerialEngine  # noqa: E402
-from step12_cuda_graph import fused_kernels  # noqa: E402
-from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig  # noqa: E402
-from step12_cuda_graph.skinny_matmul import skinny_linear  # noqa: E402
+from step13_fused_decode import fused_kernels  # noqa: E402
+from step13_fused_decode.engine import FusedDecodeEngine, FusedDecodeEngineConfig  # noqa: E402
+from step13_fused_decode.skinny_matmul import skinny_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -118,8 +118,8 @@ def test_engine_with_fused_ops_matches_step01(model: str) -> None:
     prompts = [loaded.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
     params = SamplingParams(max_tokens=8)
     expected = SerialEngine(loaded, EngineConfig(device=DEVICE)).generate(prompts, params)
-    engine = CudaGraphEngine(loaded, CudaGraphEngineConfig(device=DEVICE, block_size=16, num_blocks=64,
-                                                           attn="torch", fused_ops=True, max_graph_batch=4))
+    engine = FusedDecodeEngine(loaded, FusedDecodeEngineConfig(device=DEVICE, block_size=16, num_blocks=64,
+                                                               attn="torch", fused_ops=True, max_graph_batch=4))
     outputs = staggered_generate(engine, prompts, params, arrive_every=1)
     reports = compare_engines(loaded, prompts, outputs, expected)
     assert all(r.ok for r in reports), [r.describe() for r in reports if not r.ok]
@@ -128,8 +128,8 @@ def test_engine_with_fused_ops_matches_step01(model: str) -> None:
 
 def test_fused_ops_need_the_graph_path() -> None:
     with pytest.raises(ValueError, match="drop --no-cuda-graph"):
-        CudaGraphEngine(load_model("tiny-llama"), CudaGraphEngineConfig(device="cpu", num_blocks=8,
-                                                                        cuda_graph=False, fused_ops=True))
+        FusedDecodeEngine(load_model("tiny-llama"), FusedDecodeEngineConfig(device="cpu", num_blocks=8,
+                                                                            cuda_graph=False, fused_ops=True))
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or torch.cuda.get_device_capability()[0] < 9,
@@ -138,8 +138,9 @@ def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
     """A chain where each kernel reads the output of the one launched just before it, step 06's attention
     kernels, RoPE writing K/V and the output head's argmax among them: with programmatic dependent launch
     every kernel must wait for its predecessor, so the results are bit for bit those of ordinary launches."""
-    from step06_paged_attention import triton_kernels
-    from step12_cuda_graph.skinny_matmul import ArgmaxState, skinny_linear, skinny_linear_argmax
+    from step06_paged_attention.triton_kernels import PagedAttentionKernels
+    from step13_fused_decode.attention_pdl import PDLPagedAttentionKernels
+    from step13_fused_decode.skinny_matmul import ArgmaxState, skinny_linear, skinny_linear_argmax
 
     x = torch.randn(8, 3584, device=DEVICE, dtype=torch.bfloat16)
     update = torch.randn_like(x)
@@ -158,17 +159,18 @@ def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
 
     def chain(pdl: bool) -> list[torch.Tensor]:
+        triton_kernels = PDLPagedAttentionKernels() if pdl else PagedAttentionKernels()  # step 06's, or launched early
         total, normed = fused_kernels.add_rms_norm(x, update, norm_weight, 1e-6, pdl=pdl)
         projected = skinny_linear(normed, weight, pdl=pdl)
         q, k, v = (projected[:, :1024].reshape(8, 8, 128), projected[:, 1024:1280].reshape(8, 2, 128),
                    projected[:, 1280:1536].reshape(8, 2, 128))
         k_cache, v_cache = caches.clone()
-        triton_kernels.write_kv(k, v, k_cache, v_cache, slots, pdl=pdl)
+        triton_kernels.write_kv(k, v, k_cache, v_cache, slots)
         arrived = torch.zeros(16, dtype=torch.int32, device=DEVICE)
         attended = [triton_kernels.paged_decode(q, k_cache, v_cache, block_table, seq_lens, num_splits=splits,
-                                                arrived=arrived, pdl=pdl).reshape(8, 1024)
+                                                arrived=arrived).reshape(8, 1024)
                     for splits in (2, 16)]  # merged inside the decode kernel, and by a kernel of their own
-        # Step 12's RoPE writing K/V before the decode kernel, which it lets start early (2 splits, merged
+        # Step 13's RoPE writing K/V before the decode kernel, which it lets start early (2 splits, merged
         # inside the decode kernel) or only once it has exited (16 splits, then the merge kernel).
         rope_k_cache, rope_v_cache = caches.clone()
         rotated = []
@@ -176,7 +178,7 @@ def test_kernels_launched_with_pdl_read_what_the_kernel_before_wrote() -> None:
             q_rotated = fused_kernels.rotate_and_write_kv(q, k, v, cos, sin, rope_k_cache, rope_v_cache, slots,
                                                           pdl=pdl, decode_early=splits == 2)
             rotated.append(triton_kernels.paged_decode(q_rotated, rope_k_cache, rope_v_cache, block_table, seq_lens,
-                                                       num_splits=splits, arrived=arrived, pdl=pdl).reshape(8, 1024))
+                                                       num_splits=splits, arrived=arrived).reshape(8, 1024))
         gated = fused_kernels.silu_mul(rotated[0], rotated[1], pdl=pdl)
         final = fused_kernels.rms_norm(gated, norm_weight[:1024], 1e-6, pdl=pdl)
         tokens = skinny_linear_argmax(final, head, pdl=pdl, state=argmax_state)  # counts in on kept buffers

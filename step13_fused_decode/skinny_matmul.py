@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.dependent_launch import wait_for_previous_kernel
+from step13_fused_decode.dependent_launch import wait_for_previous_kernel
 
 MAX_ROWS = 16  # the rows of one tile, the most the kernel takes; larger batches keep cuBLAS (not measured)
 
@@ -167,7 +167,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     With `squares` [rows, parts] (from `skinny_linear_add`), x is a residual stream already scaled by an
     RMSNorm's weight, and each output row is divided by its root mean square: the projection of norm(x).
-    `pdl`: launch with programmatic dependent launch (`common/dependent_launch.py`)."""
+    `pdl`: launch with programmatic dependent launch (`step13_fused_decode/dependent_launch.py`)."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     _launch(x, weight, out, config, pdl, bias=bias, squares=squares, eps=eps)
     return out

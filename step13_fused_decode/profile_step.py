@@ -3,15 +3,15 @@
 With graphs, a step lasts as long as the GPU needs for its kernels plus the small gaps between them. For
 each batch size and each variant (plain; `--fused-ops` with cuBLAS; `--fused-ops` with the skinny matrix
 multiply, without and with programmatic dependent launch), this script puts that many requests of
-`--context` tokens in flight on a `CudaGraphEngine` (one model, loaded once), then measures:
+`--context` tokens in flight on a `FusedDecodeEngine` (one model, loaded once), then measures:
 - the replayed graph's time per step (CUDA events over many replays);
 - the same forward run eagerly under torch.profiler: every kernel's GPU time, summed per step and grouped
   (matrix multiplies, our attention kernels, element-wise and reductions, the rest), with the most costly
   kernels by name and how many kernels one step launches;
 - the weight-read ceiling: the bytes of every weight a step reads, over the device's copy bandwidth.
-Writes JSON evidence (by default runs/step12_cuda_graph/profile-cuda-<model>.json, ignored by git).
+Writes JSON evidence (by default runs/step13_fused_decode/profile-cuda-<model>.json, ignored by git).
 
-    .venv/bin/python step12_cuda_graph/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 --context 160
+    .venv/bin/python step13_fused_decode/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 --context 160
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from common.config import weight_params_per_decode_step
 from common.loading import LoadedModel, load_model
 from common.sampling import SamplingParams
 from step06_paged_attention.kernel_bench import copy_bandwidth_gbs
-from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
+from step13_fused_decode.engine import FusedDecodeEngine, FusedDecodeEngineConfig
 
 CATEGORIES = {  # first match wins, on the lower-cased kernel name
     "attention (ours)": ("_paged_decode", "_merge_splits", "_write_kv"),
@@ -54,8 +54,9 @@ VARIANT_SWITCHES = dict(zip(("plain", "cublas", "skinny", "pdl"), VARIANTS))  # 
 def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, steps: int, variant: str) -> dict:
     """One engine, `batch` requests of `context` tokens in flight: the replay timed, the kernels profiled."""
     blocks = batch * -(-(context + 8) // 16) + 8
-    engine = CudaGraphEngine(loaded, CudaGraphEngineConfig(model=model, device="cuda", num_blocks=blocks,
-                                                           max_graph_batch=batch, attn="triton", **VARIANTS[variant]))
+    engine = FusedDecodeEngine(loaded, FusedDecodeEngineConfig(model=model, device="cuda", num_blocks=blocks,
+                                                               max_graph_batch=batch, attn="triton",
+                                                               **VARIANTS[variant]))
     for i in range(batch):  # prompts one token short of the context; their first step prefills them
         engine.add_request([1000 + (7 * i + j) % 30000 for j in range(context - 1)],
                            SamplingParams(max_tokens=4, ignore_eos=True))
@@ -122,7 +123,7 @@ def main() -> int:
     p.add_argument("--variants", default=",".join(VARIANT_SWITCHES),
                    help=f"which variants to profile, of {','.join(VARIANT_SWITCHES)} (default: all)")
     p.add_argument("--output", type=Path, default=None,
-                   help="evidence file (default runs/step12_cuda_graph/profile-cuda-<model>.json)")
+                   help="evidence file (default runs/step13_fused_decode/profile-cuda-<model>.json)")
     args = p.parse_args()
     try:  # before the model loads: a bad value is one line and exit code 2
         batches = parse_sizes("--batches", args.batches)
@@ -159,7 +160,7 @@ def main() -> int:
                 print(f"  {name:30s} {ms:7.3f} ms")
             for k in point["top_kernels"][:8]:
                 print(f"  {k['ms_per_step']:7.3f} ms  x{k['calls_per_step']:5.0f}  {k['name'][:90]}")
-    output = args.output or default_output("step12_cuda_graph", "profile-cuda", args.model)
+    output = args.output or default_output("step13_fused_decode", "profile-cuda", args.model)
     write_json(output, header | {"points": points})
     return 0
 

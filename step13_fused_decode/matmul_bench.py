@@ -6,9 +6,9 @@ kernel at every launch setting of a small grid. Each call reads a different copy
 copies to exceed the L2 cache several times over), as 28 layers do, so a weight is never served from cache.
 Timing replays a CUDA graph of many calls (step06's `timed_ms`). Achieved bandwidth counts the weight's
 bytes. Writes JSON evidence with every setting's time, the best one per point, and cuBLAS's (by default
-runs/step12_cuda_graph/matmul-bench-cuda-<config>.json, ignored by git).
+runs/step13_fused_decode/matmul-bench-cuda-<config>.json, ignored by git).
 
-    .venv/bin/python step12_cuda_graph/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16
+    .venv/bin/python step13_fused_decode/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from common.bench import default_output, evidence_header, write_json
 from common.cli import CommandLineError, Parser, check_args, fail, parse_sizes
 from common.config import ModelConfig, load_bundled_config
 from step06_paged_attention.kernel_bench import copy_bandwidth_gbs, timed_ms
-from step12_cuda_graph.skinny_matmul import SkinnyConfig, skinny_linear
+from step13_fused_decode.skinny_matmul import SkinnyConfig, skinny_linear
 
 L2_MULTIPLE = 8  # the copies of a weight together hold this many times the L2 cache (H200: 50 MB)
 GRID = [SkinnyConfig(n, k, w, s) for n, k, w, s in
@@ -95,7 +95,7 @@ def main() -> int:
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--output", type=Path, default=None,
-                   help="evidence file (default runs/step12_cuda_graph/matmul-bench-cuda-<config>.json)")
+                   help="evidence file (default runs/step13_fused_decode/matmul-bench-cuda-<config>.json)")
     args = p.parse_args()
     try:  # before any GPU work: a bad value is one line and exit code 2
         check_args(args)
@@ -112,7 +112,7 @@ def main() -> int:
     shapes = {}
     for name, (n, k, has_bias) in projection_shapes(config).items():
         shapes[name] = bench_shape(n, k, has_bias, rows_tried, GRID, dtype, args.repeats)
-    write_json(args.output or default_output("step12_cuda_graph", "matmul-bench-cuda", args.config),
+    write_json(args.output or default_output("step13_fused_decode", "matmul-bench-cuda", args.config),
                header | {"shapes": shapes})
     return 0
 

@@ -9,12 +9,13 @@ before it reads or writes anything, so it is as safe as an ordinary launch; what
 launch and place it. Right after the wait it lets the kernel after it launch early in turn
 (`griddepcontrol.launch_dependents`).
 
-Step 12 launches its own kernels and step 06's attention kernels this way (`--pdl`); elsewhere the switch
-is off and the two instructions are not compiled in. Order is kept along a chain: a kernel waits for the
-one before it, and that one had waited for its own predecessor before it could finish. Kernels launched
-the ordinary way (PyTorch's) wait for everything before them, as always. Triton's interpreter cannot run
-these instructions, and GPUs before Hopper do not have them: there the engine leaves PDL off
-(`CudaGraphEngine.supports_pdl`)."""
+Step 13 launches its own kernels this way (`--pdl`), and step 06's attention kernels through variants
+that wait first and then run step 06's kernel bodies (`attention_pdl.py`); with the switch off the two
+instructions are not compiled in. Order is kept along a chain: a kernel waits for the one before it, and
+that one had waited for its own predecessor before it could finish. Kernels launched the ordinary way
+(PyTorch's) wait for everything before them, as always. Triton's interpreter cannot run these
+instructions, and GPUs before Hopper do not have them: there the engine leaves PDL off
+(`FusedDecodeEngine.supports_pdl`)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import triton.language as tl
 @triton.jit
 def wait_for_previous_kernel(PDL: tl.constexpr, NEXT_EARLY: tl.constexpr = True):
     """With `NEXT_EARLY` off, the kernel after this one is placed only once this one's programs exit (a
-    measured choice where placing it early was slower: `FusedOpsForward.rotate_and_attend`)."""
+    measured choice where placing it early was slower: `FusedDecodeForward.rotate_and_attend`)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         if NEXT_EARLY:

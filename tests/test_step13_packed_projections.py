@@ -1,4 +1,4 @@
-"""step12's packed projections: the same outputs as the separate layers, no weight held twice, and the
+"""step13's packed projections: the same outputs as the separate layers, no weight held twice, and the
 kernels that read their strided slices (RoPE, the KV write) reading them right."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.loading import load_model
-from step12_cuda_graph.packed_projections import PackedProjections
+from step13_fused_decode.packed_projections import PackedProjections
 
 
 def storage_bytes(model: torch.nn.Module) -> int:

@@ -1,0 +1,97 @@
+"""Step 13: fewer, larger kernels per decode step; everything else is step 12's.
+
+Against step 12, `FusedDecodeEngine` changes what its decode graphs capture (`build_graphs`): not the plain
+model but its fused twin (`fused_forward.fuse`), whose layers run packed projections, one Triton kernel per
+element-wise chain and, at up to 16 rows, our own skinny matrix multiply with the greedy tokens found inside
+the output head's; with `pdl`, every kernel, step 06's attention kernels included (`PDLTritonBackend`), is
+launched with programmatic dependent launch. Prefill, scheduling, the graphs' buckets and buffers, and the
+host overlapped with the GPU are step 12's. Each switch off gives step 12's path back, as an ablation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.loading import LoadedModel
+from common.model import CausalLM
+from step02_paged_kv.kv_cache import PagedKVCache
+from step06_paged_attention.backends import AttentionBackend, AttentionMetadata, TritonBackend, require_triton_device
+from step12_cuda_graph.decode_graphs import DecodeGraphs
+from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
+
+
+@dataclass
+class FusedDecodeEngineConfig(CudaGraphEngineConfig):
+    # Decode with packed projections and one Triton kernel per element-wise chain (`fused_forward.py`).
+    # None: on wherever decode is captured, the case it was measured for; True on CPU needs TRITON_INTERPRET=1.
+    fused_ops: bool | None = None
+    # With fused ops, projections of at most 16 rows through our own skinny matrix multiply, not cuBLAS.
+    # None: whenever fused ops are on.
+    skinny_matmul: bool | None = None
+    # With fused ops, launch their kernels and step 06's attention kernels with programmatic dependent launch
+    # (`dependent_launch.py`). None: wherever decode is captured on a GPU that has it (compute capability 9.0+).
+    pdl: bool | None = None
+
+
+class FusedDecodeGraphs(DecodeGraphs):
+    """Step 12's decode graphs over the fused twin of the model (`fuse`), with its context."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
+                 dummy_block: int, max_batch: int, capture: bool, skinny_matmul: bool = False,
+                 pdl: bool = False) -> None:
+        from step13_fused_decode.fused_forward import fuse  # imported only when asked for: Triton is optional
+
+        self.skinny_matmul, self.pdl = skinny_matmul, pdl
+        super().__init__(fuse(model, skinny=skinny_matmul, pdl=pdl), cache, backend, max_model_len, dummy_block,
+                         max_batch, capture)
+
+    def context(self, meta: AttentionMetadata, positions: torch.Tensor):  # noqa: ANN201
+        from step13_fused_decode.fused_forward import FusedDecodeForward
+
+        return FusedDecodeForward(self.cache, self.backend, meta, positions, self.pdl)
+
+    def greedy_tokens(self, hidden) -> torch.Tensor:  # noqa: ANN001
+        return self.model.greedy_tokens(hidden)  # up to 16 rows: from the head's multiply, no logits
+
+    def describe(self) -> str:
+        skinny = ", skinny matrix multiplies" if self.skinny_matmul else ""
+        pdl = ", launched with programmatic dependent launch" if self.pdl else ""
+        return f"{super().describe()}; fused ops: packed projections{skinny}, fused element-wise kernels{pdl}"
+
+
+class FusedDecodeEngine(CudaGraphEngine):
+    config_class = FusedDecodeEngineConfig
+
+    def __init__(self, loaded: LoadedModel, config: FusedDecodeEngineConfig) -> None:
+        if config.fused_ops and not config.cuda_graph:
+            raise ValueError("--fused-ops changes the graph decode path: drop --no-cuda-graph to use it")
+        super().__init__(loaded, config)
+
+    @staticmethod
+    def supports_pdl(device: torch.device) -> bool:
+        """Whether kernels on `device` can use programmatic dependent launch (compute capability 9.0 or later)."""
+        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+    def build_graphs(self, config: FusedDecodeEngineConfig) -> DecodeGraphs:
+        fused_ops = self.eager_reason is None if config.fused_ops is None else config.fused_ops
+        if fused_ops:
+            require_triton_device(self.device)
+        skinny_matmul = fused_ops if config.skinny_matmul is None else config.skinny_matmul
+        if skinny_matmul and not fused_ops:
+            raise ValueError("--skinny-matmul runs the packed projections of the fused decode path: add --fused-ops")
+        can_pdl = fused_ops and self.supports_pdl(self.device)
+        pdl = can_pdl and self.eager_reason is None if config.pdl is None else config.pdl
+        if pdl and not can_pdl:
+            raise ValueError("--pdl launches the fused decode path's kernels with programmatic dependent launch, "
+                             "which needs --fused-ops and a GPU of compute capability 9.0 or later: drop --pdl")
+        if not fused_ops:
+            return super().build_graphs(config)  # step 12's graphs, over the plain model
+        if pdl and isinstance(self.backend, TritonBackend):  # attention too, so the o projection is placed early
+            from step13_fused_decode.attention_pdl import PDLTritonBackend
+
+            self.backend = PDLTritonBackend(self.backend.num_sms)  # the engine's, prefill's KV write included
+        return FusedDecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
+                                 self.max_graph_batch(config), capture=self.eager_reason is None,
+                                 skinny_matmul=skinny_matmul, pdl=pdl)
