@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install tour test results
+.PHONY: install tour test results notebooks
 
 install: $(VENV)/.installed
 
@@ -42,3 +42,7 @@ results: install
 	$(BIN)/python step01_serial/run.py --bench --repeats 3 \
 		--bench-output results/step01_serial/bench-cpu-smollm2-135m-instruct.json
 	$(BIN)/python scripts/results_table.py --refresh README.md step*/README.md
+
+# The walkthroughs run again on the CPU and saved with their outputs, so they render where the repository is browsed.
+notebooks: install
+	$(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=1200 notebooks/*.ipynb

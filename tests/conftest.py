@@ -5,6 +5,7 @@ Everything here is session-scoped and read-only: a test must never change a mode
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 # Without a GPU, Triton kernels run only in Triton's interpreter, which must be chosen before triton is
@@ -13,11 +14,12 @@ if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from transformers import PreTrainedModel  # noqa: E402
 
-from common.config import TINY_ARCHES  # noqa: E402
+from common.config import TINY_ARCHES, tiny_config  # noqa: E402
 from common.engine import EngineConfig  # noqa: E402
-from common.loading import LoadedModel, embedded_tokenizer, load_model  # noqa: E402
+from common.loading import LoadedModel, embedded_tokenizer, load_model, random_model  # noqa: E402
 from common.reference import hf_model_for  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
@@ -28,6 +30,26 @@ def step01_tokens(loaded: LoadedModel, prompts: list[list[int]],
                   params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
     """Step 01's tokens for these prompts on the CPU, each request run alone: what every later step must give."""
     return [c.token_ids for c in SerialEngine(loaded, EngineConfig(device="cpu")).generate(prompts, params)]
+
+
+# The tiny models keep the tokenizer's whole vocabulary (49152), so their output head is by far their largest
+# weight. Triton's interpreter runs a skinny matrix multiply one program per band of 32 output columns, one
+# after another: 1536 programs for that head, about 8 s of every decode step. 1000 columns make 32 bands, the
+# last one of 8 (uneven, as the whole vocabulary's is not), and leave every other shape of the tiny model as is.
+SMALL_VOCAB = 1000
+
+
+def tiny_with_small_vocab(name: str, device: str | torch.device = "cpu", vocab_size: int = SMALL_VOCAB) -> LoadedModel:
+    """`load_model(name)` for a tiny model ("tiny-llama", ...), with only `vocab_size` rows in its embedding
+    and output head; seeded random weights, the embedded tokenizer (each id below `vocab_size` is one of its
+    tokens). Prompts must be brought into the vocabulary first: `in_vocab`."""
+    config = dataclasses.replace(tiny_config(name.removeprefix("tiny-")), vocab_size=vocab_size)
+    return LoadedModel(name, random_model(config, torch.device(device), torch.float32), embedded_tokenizer(), None)
+
+
+def in_vocab(prompt_ids: list[int], vocab_size: int = SMALL_VOCAB) -> list[int]:
+    """A prompt's ids folded into a small vocabulary (random weights care for no meaning, only for ids)."""
+    return [t % vocab_size for t in prompt_ids]
 
 
 @pytest.fixture(scope="session")

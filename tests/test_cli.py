@@ -17,7 +17,7 @@ import compare
 from common import cli
 from common.bench import RUNS_DIR, default_output
 from common.engine import EngineConfig
-from step02_paged_kv.run import add_paged_arguments
+from step02_paged_kv.run import add_arguments
 from step08_serve.run import build_parser as build_server_parser
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,7 +79,7 @@ def test_bad_value_is_one_line_and_exit_2_before_loading(script: str, argv: list
 def step_parser() -> argparse.ArgumentParser:
     """step 02's run.py command line: the shared flags and the paged KV cache's."""
     parser = cli.build_parser("test")
-    add_paged_arguments(parser)
+    add_arguments(parser)
     return parser
 
 

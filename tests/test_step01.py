@@ -12,11 +12,12 @@ import pytest
 from common.checks import check_against_reference, staggered_generate
 from common.engine import EngineConfig
 from common.prompts import DEMO_PROMPTS, PARITY_PROMPTS
-from common.reference import compare_greedy, reference_greedy
+from common.reference import compare_greedy
 from common.request import FinishReason
 from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
 from step01_serial.run import __doc__ as RUN_DOC
+from tests.conftest import PARITY_MAX_TOKENS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,13 +41,14 @@ def test_tiny_models_match_hf_with_staggered_arrivals(arch: str) -> None:
 
 
 @pytest.mark.embedded
-def test_embedded_parity_through_prompts_file(tmp_path: Path, embedded_hf) -> None:
+def test_embedded_parity_through_prompts_file(tmp_path: Path, embedded, embedded_hf, embedded_reference) -> None:
     """The issue's test of record: 12 prompts (English, CJK, emoji, code) through --prompts-file and
-    --output-json are token-identical to HF generate() on the embedded model, or differ only at a shown tie."""
+    --output-json are token-identical to HF generate() on the embedded model, or differ only at a shown tie.
+    HF's tokens are `embedded_reference`'s (the same prompts, token count and EOS, generated once a session)."""
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("\n".join(p.replace("\n", "\\n") for p in PARITY_PROMPTS) + "\n", encoding="utf-8")
     out = tmp_path / "out.json"
-    max_tokens = 24
+    max_tokens = PARITY_MAX_TOKENS
     code = run_cli("--prompts-file", str(prompts_file), "--output-json", str(out),
                    "--max-tokens", str(max_tokens), "--no-check")
     assert code == 0
@@ -55,10 +57,11 @@ def test_embedded_parity_through_prompts_file(tmp_path: Path, embedded_hf) -> No
     from common.loading import embedded_tokenizer
 
     tokenizer = embedded_tokenizer()
+    assert tokenizer.eos_token_ids == embedded.tokenizer.eos_token_ids  # the EOS HF's tokens stopped at
     identical = 0
-    for row in rows:
+    for row, (reference_ids, theirs) in zip(rows, embedded_reference, strict=True):
         prompt_ids = tokenizer.apply_chat_template(row["prompt"])
-        theirs = reference_greedy(embedded_hf, prompt_ids, max_tokens, tokenizer.eos_token_ids)
+        assert prompt_ids == reference_ids  # HF's tokens below continue this very prompt
         report = compare_greedy(embedded_hf, prompt_ids, row["token_ids"], theirs)
         assert report.ok, f"{row['prompt']!r}: {report.describe()}"
         identical += report.equal

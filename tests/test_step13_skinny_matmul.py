@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="Triton is not installed (it ships for Linux x86-64 only)")
-from common.loading import load_model  # noqa: E402
 from common.model import RMSNorm  # noqa: E402
 from step13_fused_decode.packed_projections import PackedProjections  # noqa: E402
 from step13_fused_decode.skinny_matmul import (  # noqa: E402
     MAX_ROWS, ArgmaxState, SkinnyConfig, skinny_config, skinny_linear, skinny_linear_add, skinny_linear_argmax)
+from tests.conftest import tiny_with_small_vocab  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -82,8 +82,9 @@ def test_skinny_projections_match_the_layers(model_name: str) -> None:
     """A layer's projections as the fused model runs them, each add made ready for the norm after it: at a
     decode batch (the skinny kernel, no norm kernel) and past MAX_ROWS (cuBLAS and the add-and-norm kernel).
     The last layer, so that its down projection is made ready for the final norm and the output head (its
-    logits, and at a decode batch its greedy tokens)."""
-    model = load_model(model_name, device=DEVICE).model
+    logits, and at a decode batch its greedy tokens). A vocabulary of 1000 (`tiny_with_small_vocab`): 32 bands
+    of the output head, the last one uneven, where the whole one took Triton's interpreter 1536."""
+    model = tiny_with_small_vocab(model_name, device=DEVICE).model
     layer = model.model.layers[-1]
     attention, mlp = layer.self_attn, layer.mlp
     for norm in (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm):
