@@ -12,24 +12,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 
 def source_line(path: str, doc: dict) -> str:
     return f"<!-- {path}: commit {doc['git_commit'][:10]}, {doc['device']}, {doc['model']}, {doc['dtype']} -->"
 
 
+def prompt_len(run: dict) -> str:
+    """A fixed workload's prompt length, from its name (batch8_in32_out128 -> 32); another workload's name."""
+    fixed = re.fullmatch(r"batch\d+_in(\d+)_out\d+", run["workload"])
+    return fixed.group(1) if fixed else run["workload"]
+
+
 def detailed(path: str, doc: dict) -> list[str]:
     runs = doc["runs"]
     hf = {r["batch"]: r["output_tok_per_s"] for r in runs if r["system"] == "hf-generate"}
+    # A file measured at several prompt lengths gets a column for it (the batch alone does not tell its runs apart).
+    by_prompt = len({prompt_len(r) for r in runs}) > 1
     lines = [
-        "| system | batch | output tok/s | vs HF | TTFT ms (median) | TPOT ms (median) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| system |" + (" prompt |" if by_prompt else "") + " batch | output tok/s | vs HF | TTFT ms (median) | TPOT ms (median) |",
+        "|---|" + ("---:|" if by_prompt else "") + "---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         ratio = f"{r['output_tok_per_s'] / hf[r['batch']]:.2f}x" if r["batch"] in hf else "-"
         lines.append(
-            f"| {r['system']} | {r['batch']} | {r['output_tok_per_s']:.1f} | {ratio} | "
-            f"{r['ttft_ms_median']:.1f} | {r['tpot_ms_median']:.1f} |"
+            f"| {r['system']} |" + (f" {prompt_len(r)} |" if by_prompt else "") + f" {r['batch']} | "
+            f"{r['output_tok_per_s']:.1f} | {ratio} | {r['ttft_ms_median']:.1f} | {r['tpot_ms_median']:.1f} |"
         )
     return lines
 
