@@ -108,6 +108,7 @@ class AsyncEngine:
             self._call_in_loop(_settle, added, err)
             return
         self._timing[request_id] = _Timing(time.perf_counter())
+        self.metrics.requests_added.inc()
         self._call_in_loop(_settle, added, None)
 
     def _abort(self, request_id: str) -> None:

@@ -54,6 +54,7 @@ class ServingMetrics:
         self.registry.register(EngineStats(engine))
         Gauge("llm_open_streams", "HTTP-side request queues open.", registry=self.registry).set_function(open_streams)
         # Counted by the step loop.
+        self.requests_added = Counter("llm_requests_added", "Requests that reached the engine.", registry=self.registry)
         self.requests_finished = Counter("llm_requests_finished", "Requests that finished.", registry=self.registry)
         self.requests_aborted = Counter("llm_requests_aborted", "Requests aborted (client gone).",
                                         registry=self.registry)
