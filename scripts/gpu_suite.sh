@@ -26,7 +26,7 @@ parity() {
     python step12_cuda_graph/run.py --dry-run --device cuda --attn triton
     python step13_fused_decode/run.py --dry-run --device cuda --attn triton
     # The embedded model's weights are not carried to the GPU machine: its tests run on CPU in CI.
-    python -m pytest -q -m "not embedded" tests/test_triton_kernels.py tests/test_step06.py tests/test_step12.py \
+    python -m pytest -q -m "not embedded" tests/test_step06_triton_kernels.py tests/test_step06.py tests/test_step12.py \
       tests/test_step13_engine.py tests/test_step13_fused_kernels.py tests/test_step13_skinny_matmul.py \
       tests/test_step13_packed_projections.py
   } 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/dry-run-cuda.txt"
