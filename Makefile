@@ -43,6 +43,7 @@ results: install
 		--bench-output results/step01_serial/bench-cpu-smollm2-135m-instruct.json
 	$(BIN)/python scripts/results_table.py --refresh README.md step*/README.md
 
-# The walkthroughs run again on the CPU and saved with their outputs, so they render where the repository is browsed.
+# The walkthroughs run again on the CPU and saved with their outputs, so they render where the repository is browsed
+# (progress bars off: they would be saved as widgets that do not render there).
 notebooks: install
-	$(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=1200 notebooks/*.ipynb
+	TQDM_DISABLE=1 $(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=1200 notebooks/*.ipynb
