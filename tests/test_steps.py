@@ -1,0 +1,57 @@
+"""The one list of steps (common/steps.py) is the list everything else shows: the README's step table, and a
+folder, a notebook and tests for each step. A step added to one place and not the others fails here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from common.engine import Engine
+from common.steps import STEP_NAMES, STEPS, engine_class, find_step
+
+REPO = Path(__file__).resolve().parent.parent
+SERVER = "step08_serve"  # not an engine: it serves any of them
+
+
+def step_number(name: str) -> str:
+    return name[len("step"):len("step") + 2]
+
+
+def test_the_readme_table_lists_the_steps_in_order() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^\| \[(step\d\d_\w+)\]\(\1/README\.md\)", readme, flags=re.MULTILINE)
+    assert listed == sorted([*STEP_NAMES, SERVER])
+
+
+@pytest.mark.parametrize("name", [*STEP_NAMES, SERVER])
+def test_each_step_has_its_folder_lesson_run_notebook_and_tests(name: str) -> None:
+    folder = REPO / name
+    assert (folder / "README.md").is_file() and (folder / "run.py").is_file()
+    number = step_number(name)
+    assert list((REPO / "notebooks").glob(f"{number}_*.ipynb")), f"no notebooks/{number}_*.ipynb"
+    assert list((REPO / "tests").glob(f"test_step{number}*.py")) + list(
+        (REPO / "tests").glob(f"test_step*_step{number}_*.py")), f"no tests/test_step{number}*.py"
+
+
+# Where an engine does not build on the step just before it, and what it builds on instead.
+BUILDS_ON = {
+    "step02_paged_kv": "the engine interface (a new cache, not step 01's)",
+    "step06_paged_attention": "step02_paged_kv (attention replaces step 03's gather; it does not extend it)",
+}
+
+
+def test_each_engine_subclasses_the_one_before() -> None:
+    for earlier, later in zip(STEPS, STEPS[1:]):
+        if later.name in BUILDS_ON:
+            continue
+        assert issubclass(later.engine_class(), earlier.engine_class()), f"{later.name} does not extend {earlier.name}"
+    assert issubclass(engine_class("step06_paged_attention"), engine_class("step02_paged_kv"))
+    assert all(issubclass(step.engine_class(), Engine) for step in STEPS)
+
+
+def test_unknown_step_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="step01_serial"):
+        find_step("step99_nothing")
+    assert engine_class("step07_preemption").__name__ == "PreemptionEngine"
