@@ -73,7 +73,7 @@ def fail(err: Exception) -> int:
 # flags a parser has, and skips one left at None: not given, so the program picks a default later.
 MINIMUMS: dict[str, int] = {
     "max_tokens": 1, "prompt_len": 1, "repeats": 1, "max_num_seqs": 1, "max_model_len": 1, "block_size": 1,
-    "num_blocks": 1, "max_graph_batch": 1, "temperature": 0, "hf_static_max_batch": 0,
+    "num_blocks": 1, "max_graph_batch": 1, "max_num_batched_tokens": 1, "temperature": 0, "hf_static_max_batch": 0,
 }
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the names EngineConfig.resolved_dtype accepts

@@ -153,10 +153,14 @@ class PreemptionEngine(PagedAttentionEngine):
             return None
         return max(candidates, key=lambda r: (r.priority, self.admitted_at[r.request_id]))
 
+    def nothing_computed(self, request: Request) -> bool:
+        """Whether a running request's blocks hold no computed K/V yet (admitted in this scheduling, not prefilled)."""
+        return request.request_id in self._not_prefilled
+
     def preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         table = self.block_tables.pop(victim.request_id)
-        if victim.request_id in self._not_prefilled:
+        if self.nothing_computed(victim):
             # Admitted a moment ago and never prefilled: nothing was computed, so just put it back.
             self._not_prefilled.discard(victim.request_id)
             self.unadmissions += 1

@@ -1,7 +1,7 @@
 """The host's share of a decode step: what the CPU does per step besides running the model.
 
 Once decode is a CUDA graph, the GPU's work per step is one replay; what remains on the host is Python:
-scheduling (step 07's `schedule`), filling the static inputs, and turning sampled ids into text
+scheduling (step 09's `schedule`), filling the static inputs, and turning sampled ids into text
 (`process_tokens`: detokenizing, stop checks). The engine waits for each step's tokens before doing any of
 it, so this time adds to every step. Measured here on the CPU with a tiny model and the model's own work
 timed apart (the forward is wrapped), at several batch sizes with long prompts. Writes JSON evidence (by

@@ -1,10 +1,11 @@
-"""Step 12: decode steps replayed as CUDA graphs (`decode_graphs.py`); everything else is step 07's.
+"""Step 12: decode steps replayed as CUDA graphs (`decode_graphs.py`); everything else is step 09's.
 
-Against step 07, `CudaGraphEngine` changes how a decode step runs: the batch is padded to a bucket, its
-inputs are written into static buffers, and the bucket's captured graph is replayed. Prefill stays eager
-(its shapes change with every prompt). Scheduling, preemption and priorities are step 07's, so requests
-join, leave and get preempted between replays exactly as before. One block of the pool is reserved as the
-dummy block that padded rows write to.
+Against step 09, `CudaGraphEngine` changes how a decode-only step runs: the batch is padded to a bucket, its
+inputs are written into static buffers, and the bucket's captured graph is replayed. A step with prefill work
+(a chunk riding with the decoders, whose shapes change with every chunk) runs step 09's mixed forward
+eagerly. The token budget, scheduling, preemption and priorities are step 09's, so requests join, leave and
+get preempted between replays exactly as before. One block of the pool is reserved as the dummy block that
+padded rows write to.
 
 Once the GPU no longer waits for kernel launches, it waits for the host between steps: reading the tokens,
 detokenizing, checking for stops, scheduling. With `overlap` (on where decode is captured) each decode step
@@ -21,7 +22,7 @@ import torch
 from common.loading import LoadedModel
 from common.request import Request, RequestOutput
 from step02_paged_kv.kv_cache import PagedKVCache
-from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
+from step09_chunked_prefill.engine import ChunkedPrefillEngine, ChunkedPrefillEngineConfig
 from step12_cuda_graph.decode_graphs import GRAPH_BYTES_PER_LOGIT, DecodeGraphs, PendingTokens
 
 
@@ -40,15 +41,15 @@ class LaunchedDecode:
 
 
 @dataclass
-class CudaGraphEngineConfig(PreemptionEngineConfig):
-    cuda_graph: bool = True  # False: step 07's eager decode, for comparison
+class CudaGraphEngineConfig(ChunkedPrefillEngineConfig):
+    cuda_graph: bool = True  # False: step 09's eager decode, for comparison
     max_graph_batch: int = 256  # larger decode batches run eagerly
     # Launch each decode step before the host turns the previous step's tokens into text (`launch_ahead`).
     # None: on wherever decode is captured (eagerly, on a CPU, there is nothing to overlap).
     overlap: bool | None = None
 
 
-class CudaGraphEngine(PreemptionEngine):
+class CudaGraphEngine(ChunkedPrefillEngine):
     config_class = CudaGraphEngineConfig
     reserved_blocks = 1  # the dummy block: padded rows write their K/V there, and nobody reads it
 
@@ -89,7 +90,7 @@ class CudaGraphEngine(PreemptionEngine):
     def why_not_capture(self, config: CudaGraphEngineConfig) -> str | None:
         """None if decode can be captured; otherwise the reason it runs eagerly, to be said out loud."""
         if not config.cuda_graph:
-            return "--no-cuda-graph: step 07's eager decode"
+            return "--no-cuda-graph: step 09's eager decode"
         if self.device.type != "cuda":
             return "CUDA graphs need a CUDA device: the padded static-buffer decode runs eagerly"
         if self.backend.name == "torch":
@@ -155,10 +156,11 @@ class CudaGraphEngine(PreemptionEngine):
         running request (those prefilled this step included) except the ones this step's token finishes by
         length. A request that stops otherwise (end of sequence, a stop string, an abort) costs only a
         wasted row; a batch the guess cannot cover (a swapped request coming back, or no free block for the
-        guess) makes the next step launch afresh."""
+        guess) makes the next step launch afresh. Nothing is launched ahead while prefill work waits: the next
+        step is then likely a mixed one, which runs eagerly."""
         assert self.graphs is not None
-        if self.swapped:
-            return None
+        if self.swapped or self.prefill_pending():
+            return None  # the next step may bring a request back, or be a mixed step that runs eagerly
         batch = [r for r in self.running if not self.finishes_by_length(r, pending=r.request_id in current.rows)]
         if not batch or len(batch) > self.graphs.max_batch:
             return None

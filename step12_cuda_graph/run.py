@@ -1,5 +1,5 @@
-"""Step 12: decode replayed as CUDA graphs, one per batch-size bucket; prefill, scheduling and preemption
-are step 07's.
+"""Step 12: decode replayed as CUDA graphs, one per batch-size bucket; the token budget, chunked prefill,
+scheduling and preemption are step 09's.
 
 Examples:
     .venv/bin/python step12_cuda_graph/run.py --dry-run                          # tiny models, parity with HF (eager on CPU)
@@ -11,12 +11,12 @@ Examples:
 import argparse
 
 from common.cli import main
-from step07_preemption.run import add_arguments as add_step07_arguments
+from step09_chunked_prefill.run import add_arguments as add_step09_arguments
 from step12_cuda_graph.engine import CudaGraphEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_step07_arguments(parser)
+    add_step09_arguments(parser)
     graphs = parser.add_argument_group("CUDA graphs")
     graphs.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                         help="replay decode steps as CUDA graphs (default; on CPU the same path runs eagerly)")

@@ -1,0 +1,26 @@
+"""Step 09: a token budget per step; long prompts prefilled in chunks, in one forward with the decoders.
+
+Examples:
+    .venv/bin/python step09_chunked_prefill/run.py --dry-run                                # tiny models, parity with HF
+    .venv/bin/python step09_chunked_prefill/run.py --max-num-batched-tokens 16             # chunks of the demo prompts
+    .venv/bin/python step09_chunked_prefill/run.py --max-num-batched-tokens 16 --block-size 4 --num-blocks 40
+    .venv/bin/python step09_chunked_prefill/bench_long_prompt.py                           # decoders vs one long prompt
+"""
+
+import argparse
+
+from common.cli import main
+from step07_preemption.run import add_arguments as add_step07_arguments
+from step09_chunked_prefill.engine import DEFAULT_TOKEN_BUDGET, ChunkedPrefillEngine
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_step07_arguments(parser)
+    chunked = parser.add_argument_group("chunked prefill")
+    defaults = ", ".join(f"{n} on {device}" for device, n in DEFAULT_TOKEN_BUDGET.items())
+    chunked.add_argument("--max-num-batched-tokens", type=int, default=None,
+                         help=f"tokens one step may compute: every decoder's, then prefill chunks ({defaults})")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(ChunkedPrefillEngine, "step09_chunked_prefill", __doc__, add_arguments=add_arguments))

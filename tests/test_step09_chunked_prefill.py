@@ -1,0 +1,251 @@
+"""step09_chunked_prefill: HF's tokens under any token budget, decoders never stalled, and every way a
+half-prefilled request can leave (preempted in either mode, aborted) frees what it held."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from common.loading import LoadedModel, load_model
+from common.prompts import PARITY_PROMPTS
+from common.reference import compare_greedy, hf_model_for, reference_greedy
+from common.request import RequestStatus
+from common.sampling import SamplingParams
+from step09_chunked_prefill.engine import ChunkedPrefillEngine, ChunkedPrefillEngineConfig
+from tests.conftest import PARITY_MAX_TOKENS, in_vocab, tiny_with_small_vocab
+from tests.test_step06 import needs_triton
+from tests.test_step07 import assert_nothing_left
+
+MAX_TOKENS = 10
+# A prompt longer than the largest budget tested (64), mixing scripts: each chunk boundary falls somewhere new.
+LONG_PROMPT = "Summarise this, keeping every name: " + " ".join(
+    ["Ada Lovelace wrote the first program; 李白 wrote poems; Émile Zola wrote novels 📚."] * 4)
+
+
+class CheckedRun:
+    """Runs an engine step by step, requests arriving while others decode, and checks at every step what
+    chunked prefill promises: no step computes more than the budget (or one token per decoder, if more),
+    every decoder gets its token, no request samples before its prompt is fully computed, no block is owned
+    twice, and nothing is left behind at the end."""
+
+    def __init__(self, engine: ChunkedPrefillEngine) -> None:
+        self.engine = engine
+        self.tokens_per_step: list[int] = []
+        forward_mixed, decode = engine.forward_mixed, engine.decode
+
+        def counting_forward_mixed(chunks):  # noqa: ANN001, ANN202
+            self.tokens_per_step.append(sum(c.num_tokens for c in chunks))
+            return forward_mixed(chunks)
+
+        def counting_decode(requests):  # noqa: ANN001, ANN202
+            self.tokens_per_step.append(len(requests))
+            return decode(requests)
+
+        engine.forward_mixed, engine.decode = counting_forward_mixed, counting_decode
+
+    def run(self, prompts: list[list[int]], params: SamplingParams, arrive_every: int = 2,
+            priorities: list[int] | None = None) -> list[list[int]]:
+        engine, pending, requests, steps = self.engine, list(enumerate(prompts)), [], 0
+        while pending or engine.has_unfinished():
+            while pending and pending[0][0] * arrive_every <= steps:
+                index, prompt = pending.pop(0)
+                rid = engine.add_request(prompt, params, priority=(priorities or [0] * len(prompts))[index])
+                requests.append(engine.requests[rid])
+            decoders = {r.request_id for r in engine.running if engine.is_decoding(r)}
+            before = len(self.tokens_per_step)
+            outputs = engine.step()
+            steps += 1
+            got_token = {o.request_id for o in outputs if o.new_token_ids}
+            still_there = {r.request_id for r in engine.running} | {r.request_id for r in requests if r.finished}
+            assert decoders & still_there <= got_token, "a running decoder got no token this step"
+            if len(self.tokens_per_step) > before:
+                assert self.tokens_per_step[-1] <= max(engine.token_budget, len(decoders))
+            for rid in got_token:
+                request = next(r for r in requests if r.request_id == rid)
+                if not request.finished:
+                    assert engine.num_computed[rid] == request.num_tokens - 1, "sampled before the last chunk"
+            owned = [b for t in engine.block_tables.values() for b in t]
+            assert len(owned) == len(set(owned)) and set(owned) == engine.allocator.owned
+        assert_nothing_left(engine)
+        assert not engine.num_computed
+        return [r.output_token_ids for r in requests]
+
+
+def hf_tokens(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    hf = hf_model_for(loaded)
+    return [reference_greedy(hf, p, max_tokens, loaded.tokenizer.eos_token_ids) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def tiny_case(tiny: LoadedModel) -> tuple[LoadedModel, list[list[int]], list[list[int]]]:
+    """A tiny model, five prompts (one of them longer than every budget), and HF's greedy tokens for them."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in [LONG_PROMPT, *PARITY_PROMPTS[:4]]]
+    return tiny, prompts, hf_tokens(tiny, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 16, 64])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_any_budget_gives_hfs_tokens(tiny_case, budget: int, block_size: int) -> None:
+    """Chunks of 3 tokens in blocks of 4 end inside a block and cross block boundaries: positions and slots
+    must carry over from one chunk to the next."""
+    tiny, prompts, expected = tiny_case
+    assert all(len(p) > budget for p in prompts[:1])
+    engine = ChunkedPrefillEngine(tiny, ChunkedPrefillEngineConfig(
+        device="cpu", attn="torch", block_size=block_size, max_num_batched_tokens=budget))
+    run = CheckedRun(engine)
+    assert run.run(prompts, SamplingParams(max_tokens=MAX_TOKENS)) == expected
+    assert engine.prefill_chunks > 0
+    if budget > 1:
+        assert engine.mixed_steps > 0, "no step mixed decoders with prefill chunks"
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+@pytest.mark.parametrize("budget", [1, 3, 16, 64])
+def test_preemption_under_a_tiny_kv_budget(tiny: LoadedModel, preempt: str, budget: int) -> None:
+    """Short prompts in several scripts (no chat template) that each grow to about 15 blocks, in a pool of
+    17: two of them cannot decode together to the end."""
+    prompts = [tiny.tokenizer.encode(p) for p in PARITY_PROMPTS[1:5]]
+    expected = hf_tokens(tiny, prompts, 40)
+    longest_blocks = -(-(max(len(p) for p in prompts) + 40) // 4)
+    engine = ChunkedPrefillEngine(tiny, ChunkedPrefillEngineConfig(
+        device="cpu", attn="torch", block_size=4, num_blocks=longest_blocks + 2, preempt=preempt,
+        max_num_batched_tokens=budget))
+    assert CheckedRun(engine).run(prompts, SamplingParams(max_tokens=40), arrive_every=1) == expected
+    if budget > 1:
+        assert engine.preemptions >= 1
+    else:
+        # One decoder fills a budget of one token: no prompt is prefilled beside it, requests run one at a
+        # time, and none ever needs another's blocks.
+        assert engine.preemptions == 0
+
+
+def long_prompt_behind_a_decoder(preempt: str, num_blocks: int, budget: int = 8):
+    """Request A decodes; B, a 40-token prompt, arrives and is prefilled in chunks of `budget - 1` beside it."""
+    tiny = load_model("tiny-qwen2")
+    a, b = list(range(100, 110)), list(range(200, 240))
+    engine = ChunkedPrefillEngine(tiny, ChunkedPrefillEngineConfig(
+        device="cpu", attn="torch", block_size=4, num_blocks=num_blocks, preempt=preempt,
+        max_num_batched_tokens=budget))
+    a_id = engine.add_request(a, SamplingParams(max_tokens=30))
+    engine.step()  # A's first 8 prompt tokens
+    engine.step()  # its last 2: it samples its first token
+    assert engine.is_decoding(engine.requests[a_id])
+    b_id = engine.add_request(b, SamplingParams(max_tokens=6))
+    return tiny, engine, engine.requests[a_id], engine.requests[b_id], a, b
+
+
+def test_first_token_only_after_the_last_chunk_and_the_decoder_never_waits() -> None:
+    tiny, engine, a, b, _, b_prompt = long_prompt_behind_a_decoder("recompute", num_blocks=64)
+    computed = []
+    while not b.output_token_ids:
+        a_tokens = len(a.output_token_ids)
+        engine.step()
+        computed.append(engine.num_computed[b.request_id])
+        assert len(a.output_token_ids) == a_tokens + 1, "the decoder waited for the prefill"
+    assert computed == [7, 14, 21, 28, 35, 40]  # chunks of budget 8 - 1 decoder, the last one short
+    assert all(n < len(b_prompt) for n in computed[:-1])  # no token while the prompt was incomplete
+    while engine.has_unfinished():
+        engine.step()
+    assert b.output_token_ids == hf_tokens(tiny, [b_prompt], 6)[0]
+    assert_nothing_left(engine)
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_a_half_prefilled_request_is_preempted_and_still_gives_hfs_tokens(preempt: str) -> None:
+    """A pool of 13 blocks: A holds 3 and grows; B, mid-prefill, holds the rest. When A needs a block, B,
+    admitted later, is the victim: its computed chunks are swapped out or dropped, and it resumes later."""
+    tiny, engine, a, b, a_prompt, b_prompt = long_prompt_behind_a_decoder(preempt, num_blocks=13)
+    for _ in range(40):
+        if engine.preemptions:
+            break
+        engine.step()
+    assert engine.preemptions == 1 and not b.output_token_ids
+    if preempt == "swap":
+        assert b.status is RequestStatus.SWAPPED and 0 < engine.num_computed[b.request_id] < len(b_prompt)
+    else:
+        assert b.status is RequestStatus.WAITING and b.request_id not in engine.num_computed
+    while engine.has_unfinished():
+        engine.step()
+    assert [a.output_token_ids, b.output_token_ids] == [hf_tokens(tiny, [a_prompt], 30)[0],
+                                                         hf_tokens(tiny, [b_prompt], 6)[0]]
+    assert_nothing_left(engine)
+
+
+def test_abort_mid_prefill_frees_everything() -> None:
+    tiny, engine, a, b, a_prompt, _ = long_prompt_behind_a_decoder("recompute", num_blocks=64)
+    engine.step()
+    engine.step()
+    assert 0 < engine.num_computed[b.request_id] < len(b.prompt_token_ids)
+    used = engine.allocator.num_used
+    engine.abort(b.request_id)
+    assert engine.allocator.num_used < used and b.request_id not in engine.num_computed
+    assert engine.stats()["requests_prefilling"] == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert a.output_token_ids == hf_tokens(tiny, [a_prompt], 30)[0]
+    assert_nothing_left(engine)
+
+
+def test_priority_goes_first_within_the_budget() -> None:
+    """Two long prompts arrive together; the more important one gets the whole budget until it is done."""
+    tiny = load_model("tiny-llama")
+    engine = ChunkedPrefillEngine(tiny, ChunkedPrefillEngineConfig(device="cpu", attn="torch",
+                                                                   max_num_batched_tokens=16))
+    low = engine.add_request(list(range(300, 340)), SamplingParams(max_tokens=4), priority=5)
+    high = engine.add_request(list(range(400, 440)), SamplingParams(max_tokens=4), priority=0)
+    engine.step()
+    assert engine.num_computed == {high: 16}
+    engine.step()
+    engine.step()  # 32 + 8 of the high one, then 8 of the low one
+    assert engine.num_computed == {high: 40, low: 8}
+    assert len(engine.requests[high].output_token_ids) == 1
+
+
+@pytest.mark.parametrize("budget", [0, -5])
+def test_a_budget_below_one_is_refused(budget: int) -> None:
+    with pytest.raises(ValueError, match="--max-num-batched-tokens must be at least 1"):
+        ChunkedPrefillEngine(load_model("tiny-llama"), ChunkedPrefillEngineConfig(device="cpu",
+                                                                                 max_num_batched_tokens=budget))
+
+
+def test_cpu_says_its_budget_and_measures_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    engine = ChunkedPrefillEngine(load_model("tiny-llama"), ChunkedPrefillEngineConfig(device="cpu"))
+    assert engine.token_budget == 512 and engine.step_memory_bytes is None
+    assert "token budget: 512 tokens per step" in capsys.readouterr().out
+
+
+def test_triton_kernels_run_the_mixed_batch() -> None:
+    """Decoders and chunks through step 06's Triton prefill kernel (the interpreter on a CPU)."""
+    tiny = tiny_with_small_vocab("tiny-qwen3")
+    prompts = [in_vocab(tiny.tokenizer.apply_chat_template(p)) for p in PARITY_PROMPTS[:3]]
+    expected = hf_tokens(tiny, prompts, 6)
+    engine = ChunkedPrefillEngine(tiny, ChunkedPrefillEngineConfig(device="cpu", attn="triton", block_size=16,
+                                                                   max_num_batched_tokens=24))
+    assert CheckedRun(engine).run(prompts, SamplingParams(max_tokens=6), arrive_every=3) == expected
+    assert engine.mixed_steps > 0
+
+
+@pytest.mark.embedded
+def test_embedded_model_in_chunks(embedded: LoadedModel, embedded_hf: PreTrainedModel, embedded_reference) -> None:
+    """The real model, prompts in several scripts, in chunks of at most 16 tokens among decoders."""
+    reference = embedded_reference[:6]
+    prompts = [ids for ids, _ in reference]
+    engine = ChunkedPrefillEngine(embedded, ChunkedPrefillEngineConfig(device="cpu", attn="torch",
+                                                                       max_num_batched_tokens=16))
+    outputs = CheckedRun(engine).run(prompts, SamplingParams(max_tokens=PARITY_MAX_TOKENS))
+    identical = 0
+    for (prompt, theirs), ours in zip(reference, outputs):
+        report = compare_greedy(embedded_hf, prompt, ours, theirs)
+        assert report.ok, report.describe()
+        identical += report.equal
+    assert identical >= len(prompts) - 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the worst step's memory is measured on a CUDA device only")
+def test_worst_step_is_measured_before_the_pool_is_sized() -> None:
+    loaded = load_model("random:qwen3-0.6b", device="cuda")
+    engine = ChunkedPrefillEngine(loaded, ChunkedPrefillEngineConfig(device="cuda", max_num_batched_tokens=4096))
+    assert engine.step_memory_bytes is not None
+    # At least the MLP's gate and up activations of 4096 tokens, in bf16.
+    assert engine.step_memory_bytes >= 4096 * 2 * loaded.model.config.intermediate_size * 2
