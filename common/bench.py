@@ -196,6 +196,12 @@ def run_hf_generate(hf: PreTrainedModel, workload: Workload, pad_token_id: int,
     return _metrics(system, workload, start, end, [clock.calls[1]] * batch, [end] * batch, device)
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The value below which a fraction `q` of `values` lies (the nearest one, no interpolation)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
 def median_of(run: Callable[[], RunMetrics], repeats: int) -> RunMetrics:
     """Run `repeats` times and keep the run with the median throughput (its other figures come with it).
     For an even count that is the upper of the two middle runs; every run's figure is kept in `extra`."""

@@ -145,6 +145,40 @@ serve_graphs() {
     --concurrency 1,8,32 --max-tokens 128 --output "$OUT/serve-cuda-random-qwen2.5-7b-step12.json"
 }
 
+chunked_parity() {
+  echo "== step09 and the steps built on it on CUDA: dry runs with a budget of 5 tokens, and their tests"
+  {
+    for step in step09_chunked_prefill step12_cuda_graph step13_fused_decode; do
+      python "$step/run.py" --dry-run --device cuda --attn triton --max-num-batched-tokens 5
+    done
+    python -m pytest -q -m "not embedded" tests/test_step09_chunked_prefill.py tests/test_step12.py tests/test_step13_engine.py
+  } 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/chunked-dry-run-cuda.txt"
+}
+
+long_prompt() {
+  echo "== step13 (on step09): 32 decoders and one 16,000-token prompt, for each budget; step07 (no budget) alike"
+  python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step13_fused_decode \
+    --scenarios stall --decoders 32 --long-prompt-len 16000 --budgets none,256,512,1024,2048,4096,8192 \
+    --output "$OUT/long-prompt-cuda-random-qwen2.5-7b.json"
+  python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step07_preemption \
+    --scenarios stall --decoders 32 --long-prompt-len 16000 --output "$OUT/long-prompt-cuda-random-qwen2.5-7b-step07.json"
+}
+
+burst() {
+  echo "== 64 prompts of 2,080 tokens added at once to the bare engine: step13 with its default budget, and step07"
+  python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step13_fused_decode \
+    --scenarios burst --budgets "${BUDGET:-2048}" --burst-requests 64 --burst-prompt-len 2080 \
+    --output "$OUT/burst-cuda-random-qwen2.5-7b.json"
+  python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step07_preemption \
+    --scenarios burst --burst-requests 64 --burst-prompt-len 2080 --output "$OUT/burst-cuda-random-qwen2.5-7b-step07.json"
+}
+
+burst_serve() {
+  echo "== through the server (its default step on a GPU): 64 chat requests of ~2,000 tokens at once, then 256 of ~4,000"
+  python step09_chunked_prefill/bench_burst_serve.py --device cuda --model random:qwen2.5-7b --bursts 64x2000,256x4000 \
+    --max-tokens 16 --output "$OUT/burst-serve-cuda-random-qwen2.5-7b.json"
+}
+
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long prefill_vs_paged graphs_large matmul_bench profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long prefill_vs_paged graphs_large matmul_bench profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs chunked_parity long_prompt burst burst_serve)
 for section in "${sections[@]}"; do "$section"; done

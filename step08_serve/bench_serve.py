@@ -32,16 +32,11 @@ from pathlib import Path
 import httpx
 from openai import AsyncOpenAI
 
-from common.bench import Workload, default_output, evidence_header, fixed_workload, run_engine, write_json
+from common.bench import Workload, default_output, evidence_header, fixed_workload, percentile, run_engine, write_json
 from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_sizes
 from common.steps import engine_class
-from step08_serve.launcher import DEFAULT_STEP, free_port
+from step08_serve.launcher import free_port
 from step08_serve.run import add_engine_arguments, build_engine, chosen_step
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 async def one_request(client: AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
@@ -110,7 +105,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                        help="evidence file (default runs/step08_serve/serve-<device>-<model>.json)")
 
 
-def build_parser(step: str = DEFAULT_STEP) -> argparse.ArgumentParser:
+def build_parser(step: str) -> argparse.ArgumentParser:
     # No abbreviated flags: `engine_argv` tells the benchmark's flags from the engine's by their full names.
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     add_bench_arguments(p)

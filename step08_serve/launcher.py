@@ -9,12 +9,20 @@ import threading
 import time
 from collections.abc import Iterator
 
+import torch
 import uvicorn
 from fastapi import FastAPI
 
-# The server drives any step of common/steps.py (`--step`). The default is step 07's engine: it honours
-# each request's `priority`, and runs on any device.
-DEFAULT_STEP = "step07_preemption"
+# The server drives any step of common/steps.py (`--step`). The default is the most capable step for the
+# device: on a GPU, step 13 (graphs, fused decode); elsewhere step 09, whose eager path is what steps 12 and 13
+# run on a CPU anyway. Both bound each step by a token budget and honour each request's `priority`.
+DEFAULT_STEP = {"cuda": "step13_fused_decode", "cpu": "step09_chunked_prefill"}
+
+
+def default_step(device: str) -> str:
+    """The step that serves when --step is not given, for the --device given (auto: cuda if there is one)."""
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return DEFAULT_STEP["cuda" if on_cuda else "cpu"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,7 +1,8 @@
 """Step 08: an OpenAI-compatible streaming server over one shared engine step loop.
 
-Any step's engine serves (`--step`, default step07_preemption), with that step's own flags
-(`--step step07_preemption --help` lists them: --attn, --preempt, ...).
+Any step's engine serves (`--step`; default step13_fused_decode on a GPU, step09_chunked_prefill elsewhere),
+with that step's own flags (`--step step09_chunked_prefill --help` lists them: --attn, --preempt,
+--max-num-batched-tokens, ...).
 
 Examples:
     .venv/bin/python step08_serve/run.py                               # the embedded model on http://127.0.0.1:8000
@@ -27,7 +28,7 @@ from common.loading import EMBEDDED_MODEL, ModelLoadError, model_names_help
 from common.steps import STEP_NAMES, engine_class
 from step08_serve.api_server import create_app
 from step08_serve.async_engine import AsyncEngine
-from step08_serve.launcher import DEFAULT_STEP, running_server
+from step08_serve.launcher import DEFAULT_STEP, default_step, running_server
 
 
 def step_arguments(step: str) -> Callable[[argparse.ArgumentParser], None] | None:
@@ -39,8 +40,9 @@ def step_arguments(step: str) -> Callable[[argparse.ArgumentParser], None] | Non
 def add_engine_arguments(parser: argparse.ArgumentParser, step: str) -> None:
     """--step, the flags every engine has (those of common/cli.py's command line that build an engine), and
     the chosen step's own. `EngineConfig.from_args` reads each into the config field of the same name."""
-    parser.add_argument("--step", choices=STEP_NAMES, default=DEFAULT_STEP,
-                        help=f"which step's engine serves (default {DEFAULT_STEP}); its own flags follow below")
+    parser.add_argument("--step", choices=STEP_NAMES, default=step,
+                        help=f"which step's engine serves (default {DEFAULT_STEP['cuda']} on a GPU, "
+                             f"{DEFAULT_STEP['cpu']} elsewhere); its own flags follow below")
     parser.add_argument("--model", default=EMBEDDED_MODEL, help=f"one of: {model_names_help()}")
     parser.add_argument("--device", default="auto",
                         help="cpu, cuda, cuda:1, mps, or auto (default: cuda if there is one)")
@@ -55,13 +57,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser, step: str) -> None:
 
 
 def chosen_step(argv: Sequence[str] | None) -> str:
-    """--step alone, read first: which step's flags the whole command line may hold depends on it."""
+    """--step alone (or the default for --device), read first: which step's flags the whole command line may
+    hold depends on it."""
     first = Parser(add_help=False)
-    first.add_argument("--step", choices=STEP_NAMES, default=DEFAULT_STEP)
-    return first.parse_known_args(argv)[0].step
+    first.add_argument("--step", choices=STEP_NAMES, default=None)
+    first.add_argument("--device", default="auto")
+    known = first.parse_known_args(argv)[0]
+    return known.step or default_step(known.device)
 
 
-def build_parser(step: str = DEFAULT_STEP) -> argparse.ArgumentParser:
+def build_parser(step: str) -> argparse.ArgumentParser:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     server = p.add_argument_group("server")
     server.add_argument("--served-model-name", default=None, help="the id clients send as `model` (default: --model)")

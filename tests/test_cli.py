@@ -85,7 +85,7 @@ def step_parser() -> argparse.ArgumentParser:
 
 def test_defaults_pass_every_parser() -> None:
     cli.check_args(step_parser().parse_args([]))
-    cli.check_args(build_server_parser().parse_args([]))
+    cli.check_args(build_server_parser("step09_chunked_prefill").parse_args([]))
     cli.check_args(compare.build_parser().parse_args([]))
 
 
@@ -134,10 +134,10 @@ def test_prompts_file_that_is_a_folder(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("argv", [["--port", "0"], ["--port", "65536"], ["--max-num-seqs", "0"],
-                                  ["--device", "tpu"], ["--num-blocks", "0"]])
+                                  ["--device", "tpu"], ["--num-blocks", "0"], ["--max-num-batched-tokens", "0"]])
 def test_server_flags_are_checked(argv: list[str]) -> None:
     with pytest.raises(cli.CommandLineError):
-        cli.check_args(build_server_parser().parse_args(argv))
+        cli.check_args(build_server_parser("step09_chunked_prefill").parse_args(argv))
 
 
 def test_device_names_what_this_machine_has(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,7 +224,8 @@ def test_runs_is_ignored_by_git() -> None:
 BENCH_SCRIPTS = ["common/cli.py", "compare.py", "step06_paged_attention/kernel_bench.py",
                  "step07_preemption/bench_preempt.py", "step08_serve/bench_serve.py",
                  "step13_fused_decode/profile_step.py", "step13_fused_decode/matmul_bench.py",
-                 "step12_cuda_graph/bench_host.py"]
+                 "step12_cuda_graph/bench_host.py", "step09_chunked_prefill/bench_long_prompt.py",
+                 "step09_chunked_prefill/bench_burst_serve.py"]
 
 
 @pytest.mark.parametrize("script", BENCH_SCRIPTS)
