@@ -96,10 +96,11 @@ def run_stall(engine: Engine, args: argparse.Namespace, rng: random.Random) -> d
     arrival = time.perf_counter()
     long_id = engine.add_request(random_prompt(rng, args.long_prompt_len), SamplingParams(max_tokens=8, ignore_eos=True))
     before = {d: len(times[d]) for d in decoders}
-    steps = 0
+    step_ends = [arrival]
     while long_id not in times:
         step()
-        steps += 1
+        step_ends.append(time.perf_counter())
+    steps = len(step_ends) - 1
     first_token = times[long_id][0]
     step()  # one more: the decoders' gap that ends after the long prompt's first token counts too
     gaps = [b - a for d in decoders for a, b in zip(times[d][before[d] - 1:], times[d][before[d]:])]
@@ -114,6 +115,7 @@ def run_stall(engine: Engine, args: argparse.Namespace, rng: random.Random) -> d
         "long_prompt_ttft_ms": window * 1e3,
         "tokens_per_s_in_window": (args.long_prompt_len + decoded) / window,
         "decode_tokens_per_s_in_window": decoded / window,
+        "step_ms": [round((b - a) * 1e3, 2) for a, b in zip(step_ends, step_ends[1:])],
     }
 
 
@@ -207,7 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             results[scenario].append(row)
             write_json(output, header | results)  # after every row: a run cut short keeps what it measured
             print(f"[{scenario}] budget {label}: " + ", ".join(
-                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items() if k != "budget"),
+                f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+                if k not in ("budget", "step_ms")),
                 flush=True)
             del engine
             gc.collect()

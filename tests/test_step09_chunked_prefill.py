@@ -215,12 +215,14 @@ def test_cpu_says_its_budget_and_measures_nothing(capsys: pytest.CaptureFixture[
     assert "token budget: 512 tokens per step" in capsys.readouterr().out
 
 
+@needs_triton
 def test_triton_kernels_run_the_mixed_batch() -> None:
-    """Decoders and chunks through step 06's Triton prefill kernel (the interpreter on a CPU)."""
-    tiny = tiny_with_small_vocab("tiny-qwen3")
+    """Decoders and chunks through step 06's Triton prefill kernel (on the GPU, or the interpreter on a CPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tiny = tiny_with_small_vocab("tiny-qwen3", device)
     prompts = [in_vocab(tiny.tokenizer.apply_chat_template(p)) for p in PARITY_PROMPTS[:3]]
     expected = hf_tokens(tiny, prompts, 6)
-    engine = ChunkedPrefillEngine(tiny, ChunkedPrefillEngineConfig(device="cpu", attn="triton", block_size=16,
+    engine = ChunkedPrefillEngine(tiny, ChunkedPrefillEngineConfig(device=device, attn="triton", block_size=16,
                                                                    max_num_batched_tokens=24))
     assert CheckedRun(engine).run(prompts, SamplingParams(max_tokens=6), arrive_every=3) == expected
     assert engine.mixed_steps > 0
