@@ -158,7 +158,7 @@ chunked_parity() {
 long_prompt() {
   echo "== step13 (on step09): 32 decoders and one 16,000-token prompt, for each budget; step07 (no budget) alike"
   python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step13_fused_decode \
-    --scenarios stall --decoders 32 --long-prompt-len 16000 --budgets none,256,512,1024,2048,4096,8192 \
+    --scenarios stall --decoders 32 --long-prompt-len 16000 --budgets ${BUDGETS:-none,256,512,1024,2048,4096,8192} \
     --output "$OUT/long-prompt-cuda-random-qwen2.5-7b.json"
   python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step07_preemption \
     --scenarios stall --decoders 32 --long-prompt-len 16000 --output "$OUT/long-prompt-cuda-random-qwen2.5-7b-step07.json"
