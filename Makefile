@@ -41,6 +41,8 @@ results: install
 		--output results/compare/cpu-smollm2-135m-instruct.json
 	$(BIN)/python step01_serial/run.py --bench --repeats 3 \
 		--bench-output results/step01_serial/bench-cpu-smollm2-135m-instruct.json
+	$(BIN)/python step09_chunked_prefill/bench_long_prompt.py \
+		--output results/step09_chunked_prefill/long-prompt-cpu-smollm2-135m-instruct.json
 	$(BIN)/python scripts/results_table.py --refresh README.md step*/README.md
 
 # The walkthroughs run again on the CPU and saved with their outputs, so they render where the repository is browsed
