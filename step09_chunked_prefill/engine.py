@@ -67,8 +67,10 @@ class Chunk:
 
 
 class WorstStepForward(ForwardContext):
-    """Attention among one forward's own tokens, storing nothing: the memory a budget-sized step needs,
-    measured before the KV pool exists (the paged kernels read and write the pool in place, adding nothing)."""
+    """Attention among one forward's own tokens, storing nothing, to measure a budget-sized step before the KV
+    pool exists. PyTorch's SDPA may need more memory here than the paged kernels, which allocate only their
+    output (with grouped-query heads on the H200 it takes a path that grows with the square of the tokens):
+    the reserve errs on the safe side."""
 
     def __init__(self, num_tokens: int, device: torch.device) -> None:
         self.positions = torch.arange(num_tokens, device=device)
@@ -89,7 +91,7 @@ class ChunkedPrefillEngine(PreemptionEngine):
         self.num_computed: dict[str, int] = {}  # per running (or swapped) request: tokens whose K/V is cached
         self.prefill_chunks = 0  # chunks that did not reach the end of their prompt
         self.mixed_steps = 0  # steps that ran decoders and prefill chunks in one forward
-        self.preempted_this_step: set[str] = set()
+        self.preempted_this_step: set[str] = set()  # sit out the rest of the step (see `schedule`)
         print(f"[{type(self).__name__}] {self.describe_budget()}", flush=True)  # said at start-up
 
     @staticmethod
@@ -113,7 +115,7 @@ class ChunkedPrefillEngine(PreemptionEngine):
         has a fixed size and the host's memory holds the activations)."""
         blocks = super().blocks_in_budget(config)
         if self.device.type != "cuda" or config.kv_memory_gb is not None:
-            return blocks
+            return blocks  # --kv-memory-gb: the user's figure, as given
         self.step_memory_bytes = self.measure_worst_step(self.worst_step_tokens(config), config.max_num_seqs)
         per_block = PagedKVCache.bytes_per_block(self.model.config, config.block_size, self.model.dtype)
         return max(1, blocks - -(-self.step_memory_bytes // per_block))
