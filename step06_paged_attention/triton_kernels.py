@@ -226,15 +226,11 @@ write_kv, paged_decode = KERNELS.write_kv, KERNELS.paged_decode  # as functions,
 
 
 @triton.jit
-def _paged_prefill_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale,
-    stride_qt, stride_qh, stride_bt, stride_slot, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    b = tl.program_id(0)
-    m_tile = tl.program_id(1)
-    h = tl.program_id(2)
+def _prefill_tile(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale, b, m_tile, h,
+                  stride_qt, stride_qh, stride_bt, stride_slot, stride_ot, stride_oh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  TILE: tl.constexpr, PRECISION: tl.constexpr):
+    """One program's work: query rows `m_tile * BLOCK_M ..` of request `b`'s new tokens, head `h`."""
     kv_head = h // GROUP
     q_start = tl.load(CU_Q + b)
     q_len = tl.load(CU_Q + b + 1) - q_start
@@ -261,6 +257,19 @@ def _paged_prefill_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale,
+    stride_qt, stride_qh, stride_bt, stride_slot, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    _prefill_tile(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale,
+                  tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                  stride_qt, stride_qh, stride_bt, stride_slot, stride_ot, stride_oh,
+                  GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, TILE, PRECISION)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

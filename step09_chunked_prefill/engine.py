@@ -245,25 +245,31 @@ class ChunkedPrefillEngine(PreemptionEngine):
 
     # ----- running the model -----------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def forward_mixed(self, chunks: list[Chunk]) -> list[RequestOutput]:
-        """One forward over every chunk, laid end to end (decoders are chunks of one token); sample for the
+        """One forward over every chunk, laid end to end (decoders are chunks of one token); a token for the
         chunks that reach their request's last token, and for no other."""
+        sampling = [c for c in chunks if c.samples]
+        token_ids = self.compute_chunks(chunks, sampling)
+        for chunk in chunks:
+            self.num_computed[chunk.request.request_id] = chunk.end
+        self.prefill_chunks += len(chunks) - len(sampling)
+        return self.process_tokens([c.request for c in sampling], token_ids)
+
+    @torch.inference_mode()
+    def compute_chunks(self, chunks: list[Chunk], sampling: list[Chunk]) -> list[int]:
+        """The forward itself, eagerly (step 12 replays it as a graph): the K/V of every chunk's tokens into
+        the cache, and a token sampled for each chunk of `sampling` (none at all if it is empty: then nothing
+        waits for the GPU)."""
         requests = [c.request for c in chunks]
         q_lens = [c.num_tokens for c in chunks]
         meta, positions = self.build_metadata(requests, q_lens, [c.end for c in chunks], is_prefill=True)
         token_ids = [t for c in chunks for t in self.chunk_token_ids(c)]
         hidden = self.model(torch.tensor(token_ids, device=self.device), self.context(meta, positions))
-        last_rows = list(itertools.accumulate(q_lens))
-        sampling = [i for i, c in enumerate(chunks) if c.samples]
-        for chunk in chunks:
-            self.num_computed[chunk.request.request_id] = chunk.end
-        self.prefill_chunks += sum(not c.samples for c in chunks)
         if not sampling:
-            return []  # every chunk stops mid-prompt: nothing to sample, and no wait for the GPU
-        logits = self.model.compute_logits(hidden[[last_rows[i] - 1 for i in sampling]])
-        sampled = [requests[i] for i in sampling]
-        return self.process_tokens(sampled, self.sample(logits, sampled))
+            return []
+        last_rows = list(itertools.accumulate(q_lens))
+        logits = self.model.compute_logits(hidden[[last_rows[i] - 1 for i, c in enumerate(chunks) if c.samples]])
+        return self.sample(logits, [c.request for c in sampling])
 
     @staticmethod
     def chunk_token_ids(chunk: Chunk) -> list[int]:

@@ -22,8 +22,9 @@ import torch
 from common.loading import LoadedModel
 from common.request import Request, RequestOutput
 from step02_paged_kv.kv_cache import PagedKVCache
-from step09_chunked_prefill.engine import ChunkedPrefillEngine, ChunkedPrefillEngineConfig
+from step09_chunked_prefill.engine import Chunk, ChunkedPrefillEngine, ChunkedPrefillEngineConfig
 from step12_cuda_graph.decode_graphs import GRAPH_BYTES_PER_LOGIT, DecodeGraphs, PendingTokens
+from step12_cuda_graph.mixed_graphs import MixedChunk, MixedStepGraphs
 
 
 @dataclass
@@ -47,6 +48,9 @@ class CudaGraphEngineConfig(ChunkedPrefillEngineConfig):
     # Launch each decode step before the host turns the previous step's tokens into text (`launch_ahead`).
     # None: on wherever decode is captured (eagerly, on a CPU, there is nothing to overlap).
     overlap: bool | None = None
+    # Mixed steps (decoders and prefill chunks) on static buffers, replayed as graphs per token bucket
+    # (`mixed_graphs.py`). Off by default until it has been measured on a GPU: step 09's eager mixed step.
+    mixed_graphs: bool = False
 
 
 class CudaGraphEngine(ChunkedPrefillEngine):
@@ -65,6 +69,11 @@ class CudaGraphEngine(ChunkedPrefillEngine):
         self.steps_taken_from_ahead = 0  # the others were launched again (their batch had changed)
         if config.cuda_graph:
             self.graphs = self.build_graphs(config)
+        self.mixed: MixedStepGraphs | None = None
+        if config.mixed_graphs:
+            self.mixed = MixedStepGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
+                                         self.worst_step_tokens(config), config.max_num_seqs,
+                                         capture=self.eager_reason is None)
         print(f"[{type(self).__name__}] decode: {self.graph_status()}", flush=True)  # said at start-up
 
     def build_graphs(self, config: CudaGraphEngineConfig) -> DecodeGraphs:
@@ -102,6 +111,8 @@ class CudaGraphEngine(ChunkedPrefillEngine):
 
     def graph_status(self) -> str:
         described = self.graphs.describe() if self.graphs else "no graphs"
+        if self.mixed is not None:
+            described += f"; {self.mixed.describe()}"
         if self.eager_reason is not None:
             described += f": {self.eager_reason}"
         if self.overlap:
@@ -111,6 +122,19 @@ class CudaGraphEngine(ChunkedPrefillEngine):
     def step(self) -> list[RequestOutput]:
         self.launched_ahead, self.ahead = self.ahead, None  # good for this step only; `decode` takes it if it fits
         return super().step()
+
+    @torch.inference_mode()
+    def compute_chunks(self, chunks: list[Chunk], sampling: list[Chunk]) -> list[int]:
+        """Step 09's mixed forward on the static buffers of `MixedStepGraphs`, replayed where captured."""
+        if self.mixed is None or not self.mixed.fits(sum(c.num_tokens for c in chunks), len(chunks)):
+            return super().compute_chunks(chunks, sampling)
+        pending = self.mixed.launch([
+            MixedChunk(self.chunk_token_ids(c), c.start, self.block_tables[c.request.request_id], c.samples,
+                       c.request.params, len(c.request.output_token_ids)) for c in chunks])
+        if not sampling:
+            return []  # nothing to wait for
+        tokens = pending.wait()
+        return [token for token, chunk in zip(tokens, chunks) if chunk.samples]
 
     @torch.inference_mode()
     def decode(self, requests: list[Request]) -> list[RequestOutput]:

@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay decode steps as CUDA graphs (default; on CPU the same path runs eagerly)")
     graphs.add_argument("--max-graph-batch", type=int, default=256,
                         help="the largest decode batch with a graph; larger batches run eagerly (default 256)")
+    graphs.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=False,
+                        help="replay mixed steps (decoders and prefill chunks) as graphs per token bucket; on CPU "
+                             "the same static-buffer path runs eagerly (off by default: not yet measured on a GPU)")
     graphs.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                         help="launch each decode step before the host has processed the previous one's tokens "
                              "(default: on wherever decode is captured as graphs)")

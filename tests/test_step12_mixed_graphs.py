@@ -1,0 +1,109 @@
+"""step12_cuda_graph's mixed-step graphs: the static layout of a mixed step, the prefill kernel launched over
+a tile list, and HF's tokens with prompts in chunks beside decoders (eager on a CPU, replayed on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.loading import LoadedModel, load_model
+from common.prompts import PARITY_PROMPTS
+from common.reference import hf_model_for, reference_greedy
+from common.sampling import SamplingParams
+from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
+from step12_cuda_graph.mixed_graphs import (TILE_ROWS, MixedChunk, StaticMixedInputs, max_tiles, mixed_row_buckets,
+                                            mixed_token_buckets)
+from tests.conftest import in_vocab, tiny_with_small_vocab
+from tests.test_step06 import needs_triton
+from tests.test_step09_chunked_prefill import LONG_PROMPT, CheckedRun
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_buckets() -> None:
+    assert mixed_token_buckets(2048) == [256, 512, 1024, 2048]
+    assert mixed_token_buckets(300) == [256, 300]
+    assert mixed_token_buckets(100) == [100]
+    assert mixed_row_buckets(256) == [16, 64, 256] and mixed_row_buckets(33) == [16, 33]
+    assert max_tiles(256, 16) == 256 // TILE_ROWS + 16
+
+
+def test_fill_lays_out_chunks_and_pads_on_the_dummy_block() -> None:
+    inputs = StaticMixedInputs(max_tokens=16, max_rows=4, width=6, block_size=4, dummy_block=9,
+                               device=torch.device("cpu"))
+    decoder = MixedChunk([7], 5, [3, 4], True, SamplingParams(), 3)  # position 5: block 4, slot 1
+    chunk = MixedChunk([11, 12, 13], 2, [8, 2], False, SamplingParams(), 0)  # positions 2..4: 4 is in block 2
+    inputs.fill([decoder, chunk], tokens=8, rows=3)
+    assert inputs.input_ids[:8].tolist() == [7, 11, 12, 13, 0, 0, 0, 0]
+    assert inputs.positions[:8].tolist() == [5, 2, 3, 4, 0, 0, 0, 0]
+    assert inputs.slot_mapping[:8].tolist() == [4 * 4 + 1, 8 * 4 + 2, 8 * 4 + 3, 2 * 4, *[9 * 4] * 4]
+    assert inputs.cu_q_lens[:4].tolist() == [0, 1, 4, 4]  # the padded row has no tokens
+    assert inputs.seq_lens[:3].tolist() == [6, 5, 0]
+    assert inputs.sample_index[:3].tolist() == [0, 3, 0]
+    tiles = max_tiles(8, 3)
+    assert inputs.tile_request[:tiles].tolist() == [0, 1] + [-1] * (tiles - 2)
+    assert inputs.block_table[:3, :2].tolist() == [[3, 4], [8, 2], [9, 9]]
+
+
+@needs_triton
+def test_tile_kernel_matches_step06_prefill() -> None:
+    """Three requests (a decoder, a chunk over a cached prefix, a fresh prompt of two tiles), launched over a
+    tile list with spare entries, give step 06's kernel's output."""
+    from step06_paged_attention.triton_kernels import paged_prefill
+    from step12_cuda_graph.prefill_tiles import paged_prefill_tiles
+
+    torch.manual_seed(0)
+    block_size, kv_heads, heads, head_dim = 4, 2, 6, 16
+    new, cached = [1, 5, 70], [9, 6, 0]
+    lens = [n + c for n, c in zip(new, cached)]
+    blocks = [-(-n // block_size) for n in lens]
+    table = torch.zeros(3, max(blocks), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(blocks):
+        table[i, :n] = torch.arange(at, at + n)
+        at += n
+    k_cache = torch.randn(at, block_size, kv_heads, head_dim, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sum(new), heads, head_dim, device=DEVICE)
+    cu = torch.tensor([0, 1, 6, 76], dtype=torch.int32, device=DEVICE)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    table = table.to(DEVICE)
+    expected = paged_prefill(q, k_cache, v_cache, table, cu, ctx, max(new), block_m=TILE_ROWS, tile=16)
+    tile_request = torch.tensor([0, 1, 2, 2, -1, -1], dtype=torch.int32, device=DEVICE)
+    tile_index = torch.tensor([0, 0, 0, 1, 0, 0], dtype=torch.int32, device=DEVICE)
+    out = paged_prefill_tiles(q, k_cache, v_cache, table, cu, ctx, tile_request, tile_index, TILE_ROWS, tile=16)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def hf_tokens(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    hf = hf_model_for(loaded)
+    return [reference_greedy(hf, p, max_tokens, loaded.tokenizer.eos_token_ids) for p in prompts]
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+@pytest.mark.parametrize("budget", [3, 16, 64])
+def test_mixed_steps_on_static_buffers_give_hfs_tokens(tiny: LoadedModel, budget: int, preempt: str) -> None:
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in [LONG_PROMPT, *PARITY_PROMPTS[:3]]]
+    expected = hf_tokens(tiny, prompts, 10)
+    longest_blocks = -(-(max(len(p) for p in prompts) + 10) // 4)
+    engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(
+        device="cpu", attn="torch", block_size=4, max_num_batched_tokens=budget, mixed_graphs=True,
+        num_blocks=longest_blocks + 8, preempt=preempt, max_num_seqs=8))
+    assert engine.mixed is not None
+    assert CheckedRun(engine).run(prompts, SamplingParams(max_tokens=10), arrive_every=1) == expected
+    assert engine.mixed_steps > 0
+
+
+@needs_triton
+def test_mixed_steps_through_the_tile_kernel() -> None:
+    """The same on the Triton backend (the interpreter on a CPU, graphs replayed on a GPU)."""
+    tiny = tiny_with_small_vocab("tiny-qwen3", DEVICE)
+    prompts = [in_vocab(tiny.tokenizer.apply_chat_template(p)) for p in PARITY_PROMPTS[:3]]
+    expected = hf_tokens(tiny, prompts, 6)
+    engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device=DEVICE, attn="triton", block_size=16,
+                                                         max_num_batched_tokens=24, mixed_graphs=True,
+                                                         max_num_seqs=4, max_model_len=512))
+    assert CheckedRun(engine).run(prompts, SamplingParams(max_tokens=6), arrive_every=3) == expected
+    assert engine.mixed_steps > 0
+    if DEVICE == "cuda":
+        assert engine.mixed.graphs, "mixed steps were not captured on the GPU"
