@@ -173,6 +173,16 @@ burst() {
     --scenarios burst --burst-requests 64 --burst-prompt-len 2080 --output "$OUT/burst-cuda-random-qwen2.5-7b-step07.json"
 }
 
+mixed_graphs() {
+  echo "== step12's mixed-step graphs: their tests on CUDA, then the stall sweep and the 256-request workload with them"
+  python -m pytest -q -m "not embedded" tests/test_step12_mixed_graphs.py 2>&1 | tee "$OUT/mixed-graphs-pytest-cuda.txt"
+  python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step13_fused_decode \
+    --mixed-graphs --scenarios stall --decoders 32 --long-prompt-len 16000 --budgets none,256,512,1024,2048 \
+    --output "$OUT/long-prompt-cuda-random-qwen2.5-7b-mixed-graphs.json"
+  python step13_fused_decode/run.py --bench --workload nanovllm --model random:qwen3-0.6b --device cuda --no-hf \
+    --mixed-graphs --bench-output "$OUT/nanovllm-cuda-random-qwen3-0.6b-mixed-graphs.json"
+}
+
 burst_serve() {
   echo "== through the server (its default step on a GPU): 64 chat requests of ~2,000 tokens at once, then 256 of ~4,000"
   python step09_chunked_prefill/bench_burst_serve.py --device cuda --model random:qwen2.5-7b --bursts 64x2000,256x4000 \
@@ -180,5 +190,5 @@ burst_serve() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long prefill_vs_paged graphs_large matmul_bench profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs chunked_parity long_prompt burst burst_serve)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long prefill_vs_paged graphs_large matmul_bench profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs chunked_parity long_prompt burst burst_serve mixed_graphs)
 for section in "${sections[@]}"; do "$section"; done

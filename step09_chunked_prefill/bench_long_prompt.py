@@ -61,6 +61,8 @@ def build_engine(loaded: LoadedModel, step: str, budget: int | None, args: argpa
                                     max_num_seqs=max_num_seqs, attn=args.attn, block_size=args.block_size)
     if issubclass(cls.config_class, ChunkedPrefillEngineConfig):
         settings["max_num_batched_tokens"] = budget
+    if args.mixed_graphs:
+        settings["mixed_graphs"] = True
     return cls(loaded, cls.config_class(**settings))
 
 
@@ -148,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", default="step09_chunked_prefill", help=f"one of {','.join(STEP_NAMES[4:])}")
     p.add_argument("--attn", default="auto")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--mixed-graphs", action="store_true", help="step 12 and later: mixed steps on static buffers")
     p.add_argument("--budgets", default="none,16,64,256", help="tokens per step, comma-separated; none: no budget")
     p.add_argument("--scenarios", default="stall,burst")
     p.add_argument("--decoders", type=int, default=8)
@@ -177,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.step not in STEP_NAMES[4:]:
             raise CommandLineError(f"--step must be step 07 or later: {','.join(STEP_NAMES[4:])} (got {args.step})")
         has_budget = issubclass(engine_class(args.step).config_class, ChunkedPrefillEngineConfig)
+        if args.mixed_graphs and not hasattr(engine_class(args.step).config_class, "mixed_graphs"):
+            raise CommandLineError(f"--mixed-graphs is a switch of step 12 and later, not of {args.step}")
         loaded = load_model(args.model, torch.device(args.device if args.device != "auto" else "cpu"),
                             ChunkedPrefillEngineConfig(device=args.device, dtype=args.dtype).resolved_dtype(),
                             args.seed)
