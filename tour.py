@@ -12,7 +12,7 @@ from common.engine import Engine
 from common.prompts import DEMO_PROMPTS
 from common.sampling import SamplingParams
 from common.steps import STEPS
-from step08_serve.run import build_parser as server_parser
+from step08_serve.run import parse_args as server_args
 from step08_serve.run import dry_run as server_dry_run
 
 MAX_TOKENS = 32
@@ -41,7 +41,7 @@ def main() -> int:
           f"{len(DEMO_PROMPTS)} prompts x {MAX_TOKENS} tokens each, then step 08's server.")
     results = [(step.name, *tour_step(step.name, step.idea, step.engine_class())) for step in STEPS]
     print("\n=== step08_serve: an OpenAI-compatible server over one step loop (tiny model, the openai SDK)")
-    served_ok = server_dry_run(server_parser().parse_args([])) == 0
+    served_ok = server_dry_run(server_args([])) == 0
     print("\nstep                     tok/s   parity")
     for name, tok_s, ok in results:
         print(f"{name:<24}{tok_s:>6.1f}   {'OK' if ok else 'FAILED'}")
