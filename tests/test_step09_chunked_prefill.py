@@ -251,3 +251,20 @@ def test_worst_step_is_measured_before_the_pool_is_sized() -> None:
     assert engine.step_memory_bytes is not None
     # At least the MLP's gate and up activations of 4096 tokens, in bf16.
     assert engine.step_memory_bytes >= 4096 * 2 * loaded.model.config.intermediate_size * 2
+
+
+def test_abort_of_a_half_prefilled_request_in_host_memory_frees_it() -> None:
+    """B is swapped out mid-prefill (as in the preemption test above), then aborted: its host copy and its
+    count of computed tokens go with it."""
+    tiny, engine, a, b, a_prompt, _ = long_prompt_behind_a_decoder("swap", num_blocks=13)
+    for _ in range(40):
+        if b.status is RequestStatus.SWAPPED:
+            break
+        engine.step()
+    assert b.status is RequestStatus.SWAPPED and b.request_id in engine.host_kv
+    engine.abort(b.request_id)
+    assert b.request_id not in engine.host_kv and b.request_id not in engine.num_computed and not engine.swapped
+    while engine.has_unfinished():
+        engine.step()
+    assert a.output_token_ids == hf_tokens(tiny, [a_prompt], 30)[0]
+    assert_nothing_left(engine)
