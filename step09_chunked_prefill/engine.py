@@ -163,7 +163,7 @@ class ChunkedPrefillEngine(PreemptionEngine):
             outputs = self.forward_mixed([Chunk(r, r.num_tokens - 1, 1) for r in decoders] + chunks)
         elif decoders:
             for request in decoders:
-                self.num_computed[request.request_id] = request.num_tokens  # its newest token, about to be cached
+                self.mark_computed(request, request.num_tokens)  # its newest token, about to be cached
             outputs = self.decode(decoders)  # step 06's decode forward (step 12: a CUDA graph)
         else:
             outputs = []
@@ -194,13 +194,12 @@ class ChunkedPrefillEngine(PreemptionEngine):
                 admitting = admitting and self.may_admit(request, blocked)
                 if not admitting:
                     continue  # requests already mid-prefill may still go on
-            start = self.num_computed.get(request.request_id, 0)
-            room = self.reserve_chunk(request, start, min(budget, request.num_tokens - start))
-            if room == 0:
+            chunk = self.reserve_chunk(request, budget)
+            if chunk is None:
                 admitting = False
                 continue
-            chunks.append(Chunk(request, start, room))
-            budget -= room
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
         # Whoever was preempted along the way has left `running` and sits out this step.
         still_running = [r for r in decoders if r.status is RequestStatus.RUNNING]
         return still_running, [c for c in chunks if c.request.status is RequestStatus.RUNNING]
@@ -209,11 +208,14 @@ class ChunkedPrefillEngine(PreemptionEngine):
         """A free place among the running requests, and no more important swapped request waiting for blocks."""
         return len(self.running) < self.config.max_num_seqs and (blocked is None or self.importance(request) <= blocked)
 
-    def reserve_chunk(self, request: Request, start: int, num_tokens: int) -> int:
-        """Blocks for the request's tokens `start` to `start + num_tokens`, preempting less important requests
-        if the pool is short; a waiting request is admitted with them. Returns how many of those tokens got
-        room (fewer if the pool cannot hold them all, 0 if none: then nothing changed for this request)."""
+    def reserve_chunk(self, request: Request, budget: int) -> Chunk | None:
+        """The request's next chunk, of at most `budget` tokens from its first one not computed, with the
+        blocks it needs, preempting less important requests if the pool is short; a waiting request is
+        admitted with it. The chunk is shorter if the pool cannot hold it all; None if it can hold none of it
+        (then nothing changed for this request)."""
         admitted = request.status is RequestStatus.RUNNING
+        start = self.num_computed.get(request.request_id, 0)
+        num_tokens = min(budget, request.num_tokens - start)
         table = self.block_tables.get(request.request_id, [])
         size = self.cache.block_size
         while self.allocator.num_free < self.cache.blocks_for(start + num_tokens) - len(table):
@@ -225,14 +227,19 @@ class ChunkedPrefillEngine(PreemptionEngine):
             self.preempt(victim)
         room = min(num_tokens, (len(table) + self.allocator.num_free) * size - start)
         if room <= 0:
-            return 0
+            return None
         new_blocks = self.allocator.allocate(self.cache.blocks_for(start + room) - len(table))
         self.block_tables[request.request_id] = table + new_blocks
         if not admitted:
             self.num_computed[request.request_id] = start
             self.waiting.remove(request)
             self.mark_running(request)
-        return room
+        return Chunk(request, start, room)
+
+    def mark_computed(self, request: Request, end: int) -> None:
+        """The request's first `end` tokens have their K/V in the cache (or will have, once the forward just
+        launched has run: a later forward reads them after it)."""
+        self.num_computed[request.request_id] = end
 
     def nothing_computed(self, request: Request) -> bool:
         return self.num_computed.get(request.request_id, 0) == 0
@@ -251,7 +258,7 @@ class ChunkedPrefillEngine(PreemptionEngine):
         sampling = [c for c in chunks if c.samples]
         token_ids = self.compute_chunks(chunks, sampling)
         for chunk in chunks:
-            self.num_computed[chunk.request.request_id] = chunk.end
+            self.mark_computed(chunk.request, chunk.end)
         self.prefill_chunks += len(chunks) - len(sampling)
         return self.process_tokens([c.request for c in sampling], token_ids)
 
