@@ -30,6 +30,11 @@ ENGINE_STATS: dict[str, tuple[type[Metric], str]] = {
     "preemptions_total": (CounterMetricFamily, "Running requests preempted."),
     "requests_swapped": (GaugeMetricFamily, "Requests whose KV cache waits in host memory."),
     "swapped_out_blocks_total": (CounterMetricFamily, "KV blocks copied to host memory."),
+    "requests_prefilling": (GaugeMetricFamily, "Running requests whose prompt is not fully computed yet."),
+    "prefill_chunks_total": (CounterMetricFamily, "Prefill chunks that stopped before the end of their prompt."),
+    "prefix_cache_queries_total": (CounterMetricFamily, "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits_total": (CounterMetricFamily, "Prompt tokens found in the prefix cache."),
+    "kv_blocks_cached": (GaugeMetricFamily, "KV blocks no request holds, kept for their tokens."),
 }
 
 

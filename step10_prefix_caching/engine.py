@@ -1,0 +1,109 @@
+"""Step 10: prefix caching. Full KV blocks are kept, keyed by their tokens, and shared by requests that
+start alike, so a prompt's cached prefix is not computed again.
+
+Against step 09, `PrefixCachingEngine` changes three things:
+- the pool (`block_pool.py`): reference counts on blocks; a full, computed block gets a key chained over its
+  tokens and its prefix; blocks nobody holds stay cached until the pool needs them (least recently used);
+- admission (`reserve_chunk`): a waiting request first claims the blocks of the longest cached run of its
+  full blocks, and its prefill starts after them. Its last token is always computed, even when all of its
+  blocks are cached: its logits give the first output token;
+- bookkeeping (`mark_computed`): every block a forward fills is keyed, generated tokens included, so the
+  next turn of a conversation finds the last one's answer cached too.
+Chunking, preemption (both modes), abort and priorities are step 09's. `--no-enable-prefix-caching` keeps
+the shared pool but never keys a block: step 09's behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.loading import LoadedModel
+from common.request import Request, RequestStatus
+from step09_chunked_prefill.engine import Chunk, ChunkedPrefillEngine, ChunkedPrefillEngineConfig
+from step10_prefix_caching.block_pool import ROOT_KEY, PrefixCachingAllocator, block_key, chain_keys
+
+
+@dataclass
+class PrefixCachingEngineConfig(ChunkedPrefillEngineConfig):
+    enable_prefix_caching: bool = True
+
+
+class PrefixCachingEngine(ChunkedPrefillEngine):
+    config_class = PrefixCachingEngineConfig
+
+    def __init__(self, loaded: LoadedModel, config: PrefixCachingEngineConfig) -> None:
+        super().__init__(loaded, config)
+        self.allocator: PrefixCachingAllocator = PrefixCachingAllocator(self.allocator.num_blocks)
+        self.block_keys: dict[str, list[bytes]] = {}  # per request: the keys of its full, computed blocks
+        self.queried_tokens = 0  # prompt tokens looked up at admission
+        self.hit_tokens = 0  # of those, found cached
+
+    # ----- admission: claim the cached prefix first ------------------------------------------------------
+
+    def reserve_chunk(self, request: Request, budget: int) -> Chunk | None:
+        first_admission = request.status is RequestStatus.WAITING and request.request_id not in self.block_tables
+        if first_admission and self.config.enable_prefix_caching:
+            self.claim_cached_prefix(request)
+        chunk = super().reserve_chunk(request, budget)
+        if chunk is None and first_admission and request.request_id in self.block_tables:
+            # Not admitted after all: give the claimed blocks back (they stay cached) and look again next time.
+            self.allocator.free(self.block_tables.pop(request.request_id))
+            self.num_computed.pop(request.request_id, None)
+            self.block_keys.pop(request.request_id, None)
+        return chunk
+
+    def claim_cached_prefix(self, request: Request) -> None:
+        """Take references on the longest cached run of the request's full blocks, leaving at least its last
+        token to compute; its prefill then starts after them."""
+        size = self.cache.block_size
+        tokens = request.all_token_ids
+        full_blocks = (len(tokens) - 1) // size  # never the block holding the last token: its logits are needed
+        keys = chain_keys(tokens, size, full_blocks)
+        blocks = self.allocator.claim(keys)
+        self.queried_tokens += len(tokens)
+        self.hit_tokens += len(blocks) * size
+        if blocks:
+            self.block_tables[request.request_id] = blocks
+            self.num_computed[request.request_id] = len(blocks) * size
+            self.block_keys[request.request_id] = keys[: len(blocks)]
+
+    # ----- bookkeeping: key every block a forward fills -------------------------------------------------------
+
+    def mark_computed(self, request: Request, end: int) -> None:
+        super().mark_computed(request, end)
+        if not self.config.enable_prefix_caching:
+            return
+        size = self.cache.block_size
+        keys = self.block_keys.setdefault(request.request_id, [])
+        table = self.block_tables[request.request_id]
+        full = end // size
+        if len(keys) < full:
+            tokens = request.all_token_ids
+            parent = keys[-1] if keys else ROOT_KEY
+            for i in range(len(keys), full):
+                parent = block_key(parent, tokens[i * size : (i + 1) * size])
+                keys.append(parent)
+                self.allocator.register(table[i], parent)
+
+    def preempt(self, victim: Request) -> None:
+        super().preempt(victim)
+        if victim.status is RequestStatus.WAITING:
+            self.block_keys.pop(victim.request_id, None)  # its blocks stay cached; admitted again, it claims them
+
+    def free_request(self, request: Request) -> None:
+        super().free_request(request)
+        self.block_keys.pop(request.request_id, None)
+
+    # ----- reports ---------------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        return super().stats() | {"prefix_cache_queries_total": self.queried_tokens,
+                                  "prefix_cache_hits_total": self.hit_tokens,
+                                  "kv_blocks_cached": self.allocator.num_cached}
+
+    def memory_report(self) -> str:
+        rate = self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+        caching = ("prefix caching: off" if not self.config.enable_prefix_caching else
+                   f"prefix caching: {self.hit_tokens} of {self.queried_tokens} prompt tokens found cached "
+                   f"({rate:.0%}); {self.allocator.num_cached} blocks cached now, {self.allocator.evictions} evicted")
+        return f"{super().memory_report()}\n{caching}"

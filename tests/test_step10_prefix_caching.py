@@ -1,0 +1,138 @@
+"""step10_prefix_caching: the pool's keys, counts and eviction; HF's tokens with caching on and off on prompts
+that share prefixes, under a pool small enough to evict and preempt; nothing held once idle."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.loading import LoadedModel, load_model
+from common.reference import hf_model_for, reference_greedy
+from common.request import RequestStatus
+from common.sampling import SamplingParams
+from step02_paged_kv.block_allocator import OutOfBlocksError
+from step10_prefix_caching.block_pool import PrefixCachingAllocator, chain_keys
+from step10_prefix_caching.engine import PrefixCachingEngine, PrefixCachingEngineConfig
+
+
+def test_keys_chain_over_the_prefix() -> None:
+    a = chain_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, 2)
+    b = chain_keys([9, 9, 9, 9, 5, 6, 7, 8], 4, 2)
+    assert a[0] != b[0] and a[1] != b[1]  # same second block, other prefix: another key
+    assert chain_keys([1, 2, 3, 4, 0, 0], 4, 1) == a[:1]
+
+
+def test_blocks_are_counted_cached_then_evicted_least_recently_used_first() -> None:
+    pool = PrefixCachingAllocator(4)
+    x, y = pool.allocate(2)
+    pool.register(x, b"x")
+    pool.register(y, b"y")
+    assert pool.claim([b"x", b"y", b"z"]) == [x, y] and pool.ref_counts[x] == 2
+    pool.free([x, y])
+    pool.free([y])  # y: nobody holds it now, so it is cached
+    assert pool.num_cached == 1 and pool.num_free == 3 and pool.num_used == 1
+    pool.free([x])  # x: cached after y, so y is the least recently used
+    assert pool.num_free == 4 and pool.num_used == 0
+    fresh = pool.allocate(3)  # two free blocks, then y evicted
+    assert y in fresh and x not in fresh and pool.claim([b"y"]) == [] and pool.claim([b"x"]) == [x]
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate(1)
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free([fresh[0], fresh[0]])
+
+
+def assert_idle(engine: PrefixCachingEngine) -> None:
+    """Once every request is done, each block is free or cached, with no reference left."""
+    pool = engine.allocator
+    assert not engine.requests and not engine.block_tables and not engine.num_computed and not engine.block_keys
+    assert pool.num_used == 0 and not pool.ref_counts and not engine.host_kv
+    assert pool.num_free == pool.num_blocks and set(pool.cached) == set(pool.key_of_block)
+
+
+def run(engine: PrefixCachingEngine, waves: list[list[list[int]]], max_tokens: int) -> list[list[int]]:
+    """Each wave of prompts is added once the previous wave has finished (so its blocks are cached); at
+    every step no block is held by more tables than its count says."""
+    outputs = []
+    for wave in waves:
+        requests = [engine.requests[engine.add_request(p, SamplingParams(max_tokens=max_tokens))] for p in wave]
+        while engine.has_unfinished():
+            engine.step()
+            held: dict[int, int] = {}
+            for table in engine.block_tables.values():
+                for block in table:
+                    held[block] = held.get(block, 0) + 1
+            assert held == engine.allocator.ref_counts
+        outputs += [r.output_token_ids for r in requests]
+    return outputs
+
+
+def shared_prefix_waves(tokenizer) -> list[list[list[int]]]:  # noqa: ANN001
+    system = tokenizer.encode("You are a careful assistant. Answer in one short sentence, in English only. " * 2)
+    base = system + tokenizer.encode("Where is 北京?")
+    return [
+        [base],
+        [base,  # an exact repeat
+         base + tokenizer.encode(" And 東京 🗼?"),  # extends a cached prompt
+         system[:13] + tokenizer.encode(" Hi"),  # a shared prefix that ends inside a block
+         system[:16]],  # itself a cached prefix: a whole number of blocks, its last token computed again
+    ]
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+@pytest.mark.parametrize("tight", [False, True])
+def test_caching_on_and_off_give_hfs_tokens(tiny: LoadedModel, preempt: str, tight: bool) -> None:
+    """Tight: a pool one block larger than the longest request's worst case, so that the second wave cannot
+    run at once nor keep every cached block."""
+    waves = shared_prefix_waves(tiny.tokenizer)
+    prompts = [p for wave in waves for p in wave]
+    num_blocks = -(-(max(len(p) for p in prompts) + 12) // 4) + 1 if tight else None
+    hf = hf_model_for(tiny)
+    expected = [reference_greedy(hf, p, 12, tiny.tokenizer.eos_token_ids) for p in prompts]
+    results = {}
+    for caching in (True, False):
+        engine = PrefixCachingEngine(tiny, PrefixCachingEngineConfig(
+            device="cpu", attn="torch", block_size=4, num_blocks=num_blocks, preempt=preempt,
+            max_num_batched_tokens=16, enable_prefix_caching=caching))
+        results[caching] = run(engine, waves, 12)
+        assert_idle(engine)
+        if caching:
+            assert engine.hit_tokens > 0
+            if tight:
+                assert engine.preemptions > 0 and engine.allocator.evictions > 0
+        else:
+            assert engine.hit_tokens == 0 and engine.allocator.num_cached == 0
+    assert results[True] == results[False] == expected
+
+
+def test_the_last_token_is_always_computed() -> None:
+    """A prompt of exactly two blocks, cached whole: one block is claimed, the second computed again."""
+    tiny = load_model("tiny-qwen2")
+    engine = PrefixCachingEngine(tiny, PrefixCachingEngineConfig(device="cpu", attn="torch", block_size=4))
+    prompt = list(range(300, 308))
+    first = run(engine, [[prompt]], 5)
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=5))
+    engine.step()
+    assert engine.hit_tokens == 4 and engine.queried_tokens == 16
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.allocator.num_used == 0 and first == [reference_greedy(hf_model_for(tiny), prompt, 5, tiny.tokenizer.eos_token_ids)]
+    del rid
+
+
+def test_aborting_one_of_two_sharers_leaves_the_other_whole() -> None:
+    tiny = load_model("tiny-llama")
+    engine = PrefixCachingEngine(tiny, PrefixCachingEngineConfig(device="cpu", attn="torch", block_size=4))
+    prompt = list(range(500, 523))
+    run(engine, [[prompt]], 2)
+    a = engine.requests[engine.add_request(prompt + [7], SamplingParams(max_tokens=8))]
+    b = engine.requests[engine.add_request(prompt + [9], SamplingParams(max_tokens=8))]
+    engine.step()
+    shared = set(engine.block_tables[a.request_id]) & set(engine.block_tables[b.request_id])
+    assert len(shared) == 5 and all(engine.allocator.ref_counts[x] == 2 for x in shared)
+    engine.abort(b.request_id)
+    assert all(engine.allocator.ref_counts[x] == 1 for x in shared)
+    while engine.has_unfinished():
+        engine.step()
+    hf = hf_model_for(tiny)
+    assert a.output_token_ids == reference_greedy(hf, prompt + [7], 8, tiny.tokenizer.eos_token_ids)
+    assert_idle(engine)
+    assert b.status is RequestStatus.FINISHED
