@@ -43,6 +43,8 @@ results: install
 		--bench-output results/step01_serial/bench-cpu-smollm2-135m-instruct.json
 	$(BIN)/python step09_chunked_prefill/bench_long_prompt.py \
 		--output results/step09_chunked_prefill/long-prompt-cpu-smollm2-135m-instruct.json
+	$(BIN)/python step10_prefix_caching/bench_prefix.py \
+		--output results/step10_prefix_caching/prefix-cpu-smollm2-135m-instruct.json
 	$(BIN)/python scripts/results_table.py --refresh README.md step*/README.md
 
 # The walkthroughs run again on the CPU and saved with their outputs, so they render where the repository is browsed

@@ -1,6 +1,6 @@
 """Step 08: an OpenAI-compatible streaming server over one shared engine step loop.
 
-Any step's engine serves (`--step`; default step13_fused_decode on a GPU, step09_chunked_prefill elsewhere),
+Any step's engine serves (`--step`; default step13_fused_decode on a GPU, step10_prefix_caching elsewhere),
 with that step's own flags (`--step step09_chunked_prefill --help` lists them: --attn, --preempt,
 --max-num-batched-tokens, ...).
 

@@ -365,7 +365,7 @@ def test_the_default_step_has_a_token_budget_and_takes_its_flag() -> None:
     from step08_serve.run import build_engine, chosen_step, parse_args
     from step09_chunked_prefill.engine import ChunkedPrefillEngine
 
-    assert chosen_step(["--device", "cpu"]) == "step09_chunked_prefill"
+    assert chosen_step(["--device", "cpu"]) == "step10_prefix_caching"
     assert chosen_step(["--device", "cuda"]) == "step13_fused_decode"
     assert chosen_step(["--device", "cpu", "--step", "step07_preemption"]) == "step07_preemption"
     engine = build_engine(parse_args(["--device", "cpu", "--model", "tiny-llama", "--max-num-batched-tokens", "64"]))

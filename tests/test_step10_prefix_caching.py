@@ -136,3 +136,15 @@ def test_aborting_one_of_two_sharers_leaves_the_other_whole() -> None:
     assert a.output_token_ids == reference_greedy(hf, prompt + [7], 8, tiny.tokenizer.eos_token_ids)
     assert_idle(engine)
     assert b.status is RequestStatus.FINISHED
+
+
+def test_the_hit_counters_reach_the_servers_metrics() -> None:
+    from step08_serve.metrics import ServingMetrics
+
+    tiny = load_model("tiny-llama")
+    engine = PrefixCachingEngine(tiny, PrefixCachingEngineConfig(device="cpu", attn="torch", block_size=4))
+    prompt = list(range(600, 620))
+    run(engine, [[prompt], [prompt]], 2)
+    text = ServingMetrics(engine, lambda: 0).render().decode()
+    assert "llm_prefix_cache_queries_total 40.0" in text and "llm_prefix_cache_hits_total 16.0" in text
+    assert "# TYPE llm_prefix_cache_hits_total counter" in text and "llm_kv_blocks_cached" in text
