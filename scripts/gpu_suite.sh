@@ -183,6 +183,13 @@ mixed_graphs() {
     --mixed-graphs --bench-output "$OUT/nanovllm-cuda-random-qwen3-0.6b-mixed-graphs.json"
 }
 
+prefix_caching() {
+  echo "== step10: its tests on CUDA, then 64 requests sharing a 2,048-token prefix and 32 conversations x 4 turns, caching on and off"
+  python -m pytest -q -m "not embedded" tests/test_step10_prefix_caching.py 2>&1 | tee "$OUT/prefix-caching-pytest-cuda.txt"
+  python step10_prefix_caching/bench_prefix.py --device cuda --model random:qwen2.5-7b --requests 64 --prefix-len 2048 \
+    --suffix-len 32 --conversations 32 --turns 4 --user-len 256 --output "$OUT/prefix-cuda-random-qwen2.5-7b.json"
+}
+
 burst_serve() {
   echo "== through the server (its default step on a GPU): 64 chat requests of ~2,000 tokens at once, then 256 of ~4,000"
   python step09_chunked_prefill/bench_burst_serve.py --device cuda --model random:qwen2.5-7b --bursts 64x2000,256x4000 \
@@ -190,5 +197,5 @@ burst_serve() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long prefill_vs_paged graphs_large matmul_bench profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs chunked_parity long_prompt burst burst_serve mixed_graphs)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long prefill_vs_paged graphs_large matmul_bench profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs chunked_parity long_prompt burst burst_serve mixed_graphs prefix_caching)
 for section in "${sections[@]}"; do "$section"; done
