@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -113,11 +114,28 @@ def build_parser(step: str) -> argparse.ArgumentParser:
     return p
 
 
-def engine_argv(argv: Sequence[str]) -> list[str]:
+def engine_argv(argv: Sequence[str],
+                add_own_arguments: Callable[[argparse.ArgumentParser], None] = add_bench_arguments) -> list[str]:
     """The command line without the benchmark's own flags: what the server is started with."""
     bench_only = Parser(add_help=False, allow_abbrev=False)
-    add_bench_arguments(bench_only)
+    add_own_arguments(bench_only)
     return bench_only.parse_known_args(argv)[1]
+
+
+@contextlib.contextmanager
+def server_process(server_argv: Sequence[str]) -> Iterator[str]:
+    """step08_serve/run.py with these flags, in a process of its own (the clients do not share its
+    interpreter) on a free port: yields its base URL once it is healthy, and stops it on exit."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    env = os.environ | {"NO_PROXY": "127.0.0.1,localhost"}
+    server = subprocess.Popen([sys.executable, "step08_serve/run.py", *server_argv, "--port", str(port)], env=env)
+    try:
+        wait_healthy(base_url, server)
+        yield base_url
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -139,13 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = evidence_header(device, args.model, dtype, step=args.step, prompt_len=args.prompt_len,
                              max_tokens=args.max_tokens, requests_per_client=args.requests_per_client,
                              engine_flags=server_argv)
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    env = os.environ | {"NO_PROXY": "127.0.0.1,localhost"}
-    server = subprocess.Popen([sys.executable, "step08_serve/run.py", *server_argv, "--port", str(port)], env=env)
     served: list[dict[str, float]] = []
-    try:
-        wait_healthy(base_url, server)
+    with server_process(server_argv) as base_url:
         asyncio.run(run_clients(base_url, args.model, fixed_workload(2, args.prompt_len, 8), 2))  # warm-up
         for c in levels:
             requests = Workload(f"c{c}", workload.prompts[: c * args.requests_per_client],
@@ -153,9 +166,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             served.append(asyncio.run(run_clients(base_url, args.model, requests, c)))
             print(f"[serve] concurrency {c:3d}: {served[-1]['output_tok_per_s']:8.1f} tok/s  "
                   f"TTFT p50 {served[-1]['ttft_ms_p50']:7.1f} ms  TPOT p50 {served[-1]['tpot_ms_p50']:6.1f} ms", flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
     direct = []
     if not args.no_direct:

@@ -21,7 +21,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 # No `*_created` timestamp next to every counter and histogram: they double what a reader of /metrics sees.
 disable_created_metrics()
 
-# What the numbers of `Engine.stats()` are. One not listed here is still exported, as a gauge.
+# What the numbers of `Engine.stats()` are. One not listed here is still exported: as a counter if its name
+# ends in `_total` (the Prometheus convention), else as a gauge, so a later step's numbers need nothing here.
 ENGINE_STATS: dict[str, tuple[type[Metric], str]] = {
     "requests_running": (GaugeMetricFamily, "Requests admitted to the engine."),
     "requests_waiting": (GaugeMetricFamily, "Requests queued for admission."),
@@ -30,11 +31,6 @@ ENGINE_STATS: dict[str, tuple[type[Metric], str]] = {
     "preemptions_total": (CounterMetricFamily, "Running requests preempted."),
     "requests_swapped": (GaugeMetricFamily, "Requests whose KV cache waits in host memory."),
     "swapped_out_blocks_total": (CounterMetricFamily, "KV blocks copied to host memory."),
-    "requests_prefilling": (GaugeMetricFamily, "Running requests whose prompt is not fully computed yet."),
-    "prefill_chunks_total": (CounterMetricFamily, "Prefill chunks that stopped before the end of their prompt."),
-    "prefix_cache_queries_total": (CounterMetricFamily, "Prompt tokens looked up in the prefix cache."),
-    "prefix_cache_hits_total": (CounterMetricFamily, "Prompt tokens found in the prefix cache."),
-    "kv_blocks_cached": (GaugeMetricFamily, "KV blocks no request holds, kept for their tokens."),
 }
 
 
@@ -46,7 +42,8 @@ class EngineStats(Collector):
 
     def collect(self) -> Iterator[Metric]:
         for name, value in self.engine.stats().items():
-            family, help_text = ENGINE_STATS.get(name, (GaugeMetricFamily, f"Engine.stats()[{name!r}]."))
+            unlisted = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
+            family, help_text = ENGINE_STATS.get(name, (unlisted, f"Engine.stats()[{name!r}]."))
             yield family(f"llm_{name}", help_text, value=value)
 
 

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -34,8 +32,7 @@ from common.bench import default_output, evidence_header, percentile, write_json
 from common.cli import CommandLineError, Parser, check_args, check_at_least, fail
 from common.loading import embedded_tokenizer
 from common.steps import engine_class
-from step08_serve.bench_serve import wait_healthy
-from step08_serve.launcher import free_port
+from step08_serve.bench_serve import engine_argv, server_process
 from step08_serve.run import add_engine_arguments, chosen_step
 
 WORDS_ID_RANGE = (1000, 40000)  # ordinary text pieces of the tokenizer: any of them reads back as text
@@ -109,13 +106,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--output", type=Path, default=None)
 
 
-def engine_argv(argv: Sequence[str]) -> list[str]:
-    """The command line without the benchmark's own flags: what the server is started with."""
-    bench_only = Parser(add_help=False, allow_abbrev=False)
-    add_bench_arguments(bench_only)
-    return bench_only.parse_known_args(argv)[1]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
@@ -129,19 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandLineError as err:
         return fail(err)
     args.max_num_seqs = max(n for n, _ in bursts)
-    server_argv = [*engine_argv(argv), "--max-num-seqs", str(args.max_num_seqs)]
+    server_argv = [*engine_argv(argv, add_bench_arguments), "--max-num-seqs", str(args.max_num_seqs)]
     config = engine_class(args.step).config_class.from_args(args)
     device, dtype = config.resolved_device(), config.resolved_dtype()
     header = evidence_header(device, args.model, dtype, step=args.step, max_tokens=args.max_tokens,
                              engine_flags=server_argv)
     output = args.output or default_output("step09_chunked_prefill", "burst-serve", device.type, args.model)
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    env = os.environ | {"NO_PROXY": "127.0.0.1,localhost"}
-    server = subprocess.Popen([sys.executable, "step08_serve/run.py", *server_argv, "--port", str(port)], env=env)
     runs: list[dict[str, Any]] = []
-    try:
-        wait_healthy(base_url, server)
+    with server_process(server_argv) as base_url:
         asyncio.run(burst(base_url, args.model, long_messages(2, 64, seed=0), 4))  # warm-up
         for i, (count, tokens) in enumerate(bursts):
             row = {"burst": f"{count}x{tokens}"} | asyncio.run(
@@ -153,9 +138,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[burst {row['burst']}] {row['answered']}/{count} answered, TTFT p50 {row['ttft_ms_p50']:.0f} ms "
                   f"max {row['ttft_ms_max']:.0f} ms, {row['elapsed_s']:.1f} s; /health {row['health_status']}, "
                   f"running {row['llm_requests_running']}, blocks used {row['llm_kv_blocks_used']}", flush=True)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     ok = all(r["answered"] == r["requests"] and r["health_status"] == 200 and not r["llm_requests_running"]
              and not r["llm_kv_blocks_used"] for r in runs)
     print(f"every request answered and nothing left: {'yes' if ok else 'NO'}")

@@ -200,7 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_num_seqs = args.decoders + 1 if scenario == "stall" else args.burst_requests
             label = "none" if budget is None else str(budget)
             try:
-                engine = build_engine(loaded, args.step, budget or whole if has_budget else None, args, max_num_seqs)
+                # No budget: one as large as the scenario's whole prompt length (a step before 09 has none at all).
+                step_budget = (budget or whole) if has_budget else None
+                engine = build_engine(loaded, args.step, step_budget, args, max_num_seqs)
             except torch.OutOfMemoryError as err:
                 results[scenario].append({"budget": label, "survived": False,
                                           "error": f"at start-up: {str(err).splitlines()[0]}"})

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 
 import torch
@@ -55,6 +55,46 @@ def graph_buckets(max_batch: int) -> list[int]:
     """Batch sizes that get a graph: 1, 2, 4, 8, then every 16, and `max_batch` itself."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
     return sizes + [max_batch]
+
+
+def greedy_tokens(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token, for a batch where every row is greedy: no sampler's work. The logits stay in
+    the model's dtype (widening them to float32 is exact, so the token would be the same)."""
+    return model.lm_head(model.model.norm(hidden)).argmax(dim=-1)
+
+
+class GraphRecorder:
+    """Captures CUDA graphs into one memory pool (the graphs of one recorder never run at once), and measures
+    the time and the memory they took."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.started = time.perf_counter()
+        torch.cuda.synchronize(device)
+        # Cached blocks nobody holds are handed back first: the allocator could otherwise release them in the
+        # middle of the capture (when it runs short), and the difference `finish` takes would mean nothing.
+        torch.cuda.empty_cache()
+        self.reserved_before = torch.cuda.memory_reserved(device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.side = torch.cuda.Stream(device)
+
+    def record(self, forward: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """`forward` run once eagerly, on a side stream (Triton compiles, cuBLAS picks its kernels, and the
+        allocator settles, none of which may happen during a capture), then captured."""
+        current = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
+            forward()
+        current.wait_stream(self.side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            forward()
+        return graph
+
+    def finish(self) -> tuple[float, int]:
+        """Seconds since the recorder was made, and the bytes of memory its graphs reserved."""
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - self.started, torch.cuda.memory_reserved(self.device) - self.reserved_before
 
 
 class StaticDecodeInputs:
@@ -184,36 +224,18 @@ class DecodeGraphs:
         return PagedAttentionForward(self.cache, self.backend, meta, positions)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Each row's greedy token, for a batch where every row is greedy: no sampler's work. The logits stay in
-        the model's dtype (widening them to float32 is exact, so the token would be the same)."""
-        return self.model.lm_head(self.model.model.norm(hidden)).argmax(dim=-1)
+        """Each row's greedy token (a seam: step 13 finds it inside its output head's multiply)."""
+        return greedy_tokens(self.model, hidden)
 
     def capture_all(self) -> None:
         """Record every bucket's graphs, largest first, all in one memory pool (they never run at once)."""
-        started = time.perf_counter()
-        torch.cuda.synchronize(self.device)
-        # Cached blocks nobody holds are handed back first: the allocator could otherwise release them in the
-        # middle of the capture (when it runs short), and the difference below would mean nothing.
-        torch.cuda.empty_cache()
-        reserved_before = torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
+        recorder = GraphRecorder(self.device)
         for bucket in reversed(self.buckets):
             self.inputs.fill([], [], [], bucket)  # every row on the dummy block: capture writes nothing real
             for sampled, frozen_len in itertools.product((False, True), self.frozen_lens[bucket]):
-                # One eager run first, on a side stream: Triton compiles, cuBLAS picks its kernels, and the
-                # allocator settles, none of which may happen during the capture.
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    self.forward(bucket, sampled, frozen_len)
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.forward(bucket, sampled, frozen_len)
-                self.graphs[bucket, sampled, frozen_len] = graph
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - started
-        self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+                self.graphs[bucket, sampled, frozen_len] = recorder.record(
+                    lambda: self.forward(bucket, sampled, frozen_len))  # noqa: B023 - called at once
+        self.capture_seconds, self.capture_bytes = recorder.finish()
 
     def launch(self, token_ids: Sequence[int], previous_rows: Sequence[int], seq_lens: Sequence[int],
                tables: Sequence[list[int]], params: Sequence[SamplingParams], output_positions: Sequence[int]

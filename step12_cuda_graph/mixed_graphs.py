@@ -16,7 +16,6 @@ freezes shapes, addresses and launch grids, so a mixed step is laid out for the 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -27,7 +26,7 @@ from common.sampling import SamplingParams, SamplingTensors, sample_rows
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend, AttentionMetadata, TritonBackend
 from step06_paged_attention.engine import PagedAttentionForward
-from step12_cuda_graph.decode_graphs import _PAD_PARAMS, PendingTokens
+from step12_cuda_graph.decode_graphs import _PAD_PARAMS, GraphRecorder, PendingTokens, greedy_tokens
 
 TILE_ROWS = 64  # query rows a program of the tile kernel handles (step 06's prefill launch)
 SMALLEST_TOKEN_BUCKET = 256
@@ -190,32 +189,19 @@ class MixedStepGraphs:
             params = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:rows] for f in fields(SamplingTensors)})
             self.tokens[:rows] = sample_rows(self.model.compute_logits(last), params)
         else:
-            self.tokens[:rows] = self.model.lm_head(self.model.model.norm(last)).argmax(dim=-1)
+            self.tokens[:rows] = greedy_tokens(self.model, last)
 
     def capture_all(self) -> None:
         """Record every bucket's graphs, largest first, in one memory pool (they never run at once)."""
-        started = time.perf_counter()
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        reserved_before = torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
+        recorder = GraphRecorder(self.device)
         for tokens in reversed(self.token_buckets):
             for rows in reversed(self.row_buckets):
                 # One padding chunk on the dummy block: the capture writes nothing a request reads.
                 self.inputs.fill([MixedChunk([0], 0, [self.inputs.dummy_block], False, _PAD_PARAMS, 0)], tokens, rows)
                 for sampled in (False, True):
-                    side.wait_stream(torch.cuda.current_stream(self.device))
-                    with torch.cuda.stream(side):
-                        self.forward(tokens, rows, sampled)  # compile, choose kernels, settle the allocator
-                    torch.cuda.current_stream(self.device).wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self.forward(tokens, rows, sampled)
-                    self.graphs[tokens, rows, sampled] = graph
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - started
-        self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
+                    self.graphs[tokens, rows, sampled] = recorder.record(
+                        lambda: self.forward(tokens, rows, sampled))  # noqa: B023 - called at once
+        self.capture_seconds, self.capture_bytes = recorder.finish()
 
     def launch(self, chunks: Sequence[MixedChunk]) -> PendingTokens:
         """Fill the static inputs, replay the graph of the smallest buckets that hold the chunks (or run the same

@@ -79,6 +79,20 @@ def tiny(request: pytest.FixtureRequest) -> LoadedModel:
 PARITY_MAX_TOKENS = 24
 
 
+def assert_matches_reference(hf: PreTrainedModel, reference: list[tuple[list[int], list[int]]],
+                             outputs: list[list[int]]) -> None:
+    """Each output is HF's greedy continuation of its prompt, or differs only at a near-tie (measured under HF),
+    and at most one of them differs at all."""
+    from common.reference import compare_greedy
+
+    identical = 0
+    for (prompt, theirs), ours in zip(reference, outputs, strict=True):
+        report = compare_greedy(hf, prompt, ours, theirs)
+        assert report.ok, report.describe()
+        identical += report.equal
+    assert identical >= len(reference) - 1
+
+
 @pytest.fixture(scope="session")
 def embedded_reference(embedded: LoadedModel, embedded_hf: PreTrainedModel) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, HF generate() greedy ids) for every parity prompt on the embedded model, computed once."""

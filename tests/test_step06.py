@@ -11,12 +11,11 @@ from common.checks import compare_engines, staggered_generate
 from common.engine import EngineConfig
 from common.loading import LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
-from common.reference import compare_greedy
 from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
 from step06_paged_attention.backends import TritonBackend, create_backend
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
-from tests.conftest import PARITY_MAX_TOKENS, step01_tokens
+from tests.conftest import PARITY_MAX_TOKENS, assert_matches_reference, step01_tokens
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton is not installed (Linux x86-64 only)")
@@ -132,12 +131,7 @@ def test_embedded_model_parity_torch_backend(embedded: LoadedModel, embedded_hf,
     engine = PagedAttentionEngine(embedded, PagedAttentionEngineConfig(device="cpu", block_size=16,
                                                                         num_blocks=512, attn="torch"))
     ours = staggered_generate(engine, prompts, SamplingParams(max_tokens=PARITY_MAX_TOKENS), arrive_every=0)
-    identical = 0
-    for (prompt, theirs), completion in zip(embedded_reference, ours):
-        report = compare_greedy(embedded_hf, prompt, completion.token_ids, theirs)
-        assert report.ok, report.describe()
-        identical += report.equal
-    assert identical >= len(prompts) - 1
+    assert_matches_reference(embedded_hf, embedded_reference, [c.token_ids for c in ours])
 
 
 @needs_triton

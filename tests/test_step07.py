@@ -7,12 +7,11 @@ import pytest
 from common.engine import EngineConfig
 from common.loading import LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
-from common.reference import compare_greedy
 from common.request import RequestStatus
 from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
-from tests.conftest import PARITY_MAX_TOKENS, step01_tokens
+from tests.conftest import PARITY_MAX_TOKENS, assert_matches_reference, step01_tokens
 
 
 def run_checked(engine: PreemptionEngine, prompts: list[list[int]], params: SamplingParams,
@@ -145,12 +144,7 @@ def test_embedded_model_under_a_tight_budget(preempt: str, embedded: LoadedModel
                                                                 num_blocks=2 * longest_blocks, preempt=preempt))
     outputs, _ = run_checked(engine, prompts, SamplingParams(max_tokens=PARITY_MAX_TOKENS))
     assert engine.preemptions >= 2
-    identical = 0
-    for (prompt, theirs), ours in zip(reference, outputs):
-        report = compare_greedy(embedded_hf, prompt, ours, theirs)
-        assert report.ok, report.describe()
-        identical += report.equal
-    assert identical >= len(prompts) - 1
+    assert_matches_reference(embedded_hf, reference, outputs)
 
 
 @pytest.mark.parametrize("extra_blocks", [0, 3, 6])

@@ -9,11 +9,11 @@ from transformers import PreTrainedModel
 
 from common.loading import LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
-from common.reference import compare_greedy, hf_model_for, reference_greedy
+from common.reference import hf_model_for, reference_greedy
 from common.request import RequestStatus
 from common.sampling import SamplingParams
 from step09_chunked_prefill.engine import ChunkedPrefillEngine, ChunkedPrefillEngineConfig
-from tests.conftest import PARITY_MAX_TOKENS, in_vocab, tiny_with_small_vocab
+from tests.conftest import PARITY_MAX_TOKENS, assert_matches_reference, in_vocab, tiny_with_small_vocab
 from tests.test_step06 import needs_triton
 from tests.test_step07 import assert_nothing_left
 
@@ -236,12 +236,7 @@ def test_embedded_model_in_chunks(embedded: LoadedModel, embedded_hf: PreTrained
     engine = ChunkedPrefillEngine(embedded, ChunkedPrefillEngineConfig(device="cpu", attn="torch",
                                                                        max_num_batched_tokens=16))
     outputs = CheckedRun(engine).run(prompts, SamplingParams(max_tokens=PARITY_MAX_TOKENS))
-    identical = 0
-    for (prompt, theirs), ours in zip(reference, outputs):
-        report = compare_greedy(embedded_hf, prompt, ours, theirs)
-        assert report.ok, report.describe()
-        identical += report.equal
-    assert identical >= len(prompts) - 1
+    assert_matches_reference(embedded_hf, reference, outputs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the worst step's memory is measured on a CUDA device only")
