@@ -61,8 +61,8 @@ def build_engine(loaded: LoadedModel, step: str, budget: int | None, args: argpa
                                     max_num_seqs=max_num_seqs, attn=args.attn, block_size=args.block_size)
     if issubclass(cls.config_class, ChunkedPrefillEngineConfig):
         settings["max_num_batched_tokens"] = budget
-    if args.mixed_graphs:
-        settings["mixed_graphs"] = True
+    if args.mixed_graphs is not None:
+        settings["mixed_graphs"] = args.mixed_graphs
     return cls(loaded, cls.config_class(**settings))
 
 
@@ -150,8 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", default="step09_chunked_prefill", help=f"one of {','.join(STEP_NAMES[4:])}")
     p.add_argument("--attn", default="auto")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--mixed-graphs", action="store_true", help="step 12 and later: mixed steps on static buffers")
-    p.add_argument("--budgets", default="none,16,64,256", help="tokens per step, comma-separated; none: no budget")
+    p.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="step 12 and later: mixed steps on static buffers (default: the step's own default)")
+    p.add_argument("--budgets", default="none,16,64,256",
+                   help="tokens per step, comma-separated; none: no budget; default: the engine's default budget")
     p.add_argument("--scenarios", default="stall,burst")
     p.add_argument("--decoders", type=int, default=8)
     p.add_argument("--long-prompt-len", type=int, default=1024)
@@ -164,11 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_budgets(text: str) -> list[int | None]:
+def parse_budgets(text: str) -> list[str]:
+    """Labels in order: "none", "default", then the numbers (checked)."""
     budgets = [part.strip() for part in text.split(",")]
-    numbers = [b for b in budgets if b != "none"]
+    numbers = [b for b in budgets if b not in ("none", "default")]
     sizes = parse_sizes("--budgets", ",".join(numbers)) if numbers else []
-    return [None] * ("none" in budgets) + sizes
+    return [label for label in ("none", "default") if label in budgets] + [str(n) for n in sizes]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.step not in STEP_NAMES[4:]:
             raise CommandLineError(f"--step must be step 07 or later: {','.join(STEP_NAMES[4:])} (got {args.step})")
         has_budget = issubclass(engine_class(args.step).config_class, ChunkedPrefillEngineConfig)
-        if args.mixed_graphs and not hasattr(engine_class(args.step).config_class, "mixed_graphs"):
+        if args.mixed_graphs is not None and not hasattr(engine_class(args.step).config_class, "mixed_graphs"):
             raise CommandLineError(f"--mixed-graphs is a switch of step 12 and later, not of {args.step}")
         loaded = load_model(args.model, torch.device(args.device if args.device != "auto" else "cpu"),
                             ChunkedPrefillEngineConfig(device=args.device, dtype=args.dtype).resolved_dtype(),
@@ -193,15 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rng = random.Random(args.seed)
     results: dict[str, list[dict[str, Any]]] = {"stall": [], "burst": []}
     output = args.output or default_output("step09_chunked_prefill", "long-prompt", device.type, args.model)
-    for budget in budgets if has_budget else [None]:
+    for label in budgets if has_budget else ["none"]:
         for scenario in scenarios:
             whole = (args.long_prompt_len + args.decoders if scenario == "stall"
                      else args.burst_requests * args.burst_prompt_len)
             max_num_seqs = args.decoders + 1 if scenario == "stall" else args.burst_requests
-            label = "none" if budget is None else str(budget)
             try:
                 # No budget: one as large as the scenario's whole prompt length (a step before 09 has none at all).
-                step_budget = (budget or whole) if has_budget else None
+                step_budget = None if label == "default" or not has_budget else whole if label == "none" else int(label)
                 engine = build_engine(loaded, args.step, step_budget, args, max_num_seqs)
             except torch.OutOfMemoryError as err:
                 results[scenario].append({"budget": label, "survived": False,

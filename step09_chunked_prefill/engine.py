@@ -29,23 +29,41 @@ import torch
 import torch.nn.functional as F
 
 from common.loading import LoadedModel
-from common.model import ForwardContext
+from common.model import CausalLM, ForwardContext
 from common.request import Request, RequestOutput, RequestStatus
 from common.sampling import SamplingParams
 from step02_paged_kv.kv_cache import PagedKVCache
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 
-# Tokens per step when --max-num-batched-tokens is not given, by device type. On the H200 (7B model, 32
-# decoders, one 16,000-token prompt) 2048 keeps the prompt's time to first token within 1.2x of its unchunked
-# prefill and cuts the decoders' longest wait by 5x; 1024 cuts it further but halves the throughput of 256
-# requests arriving at once, because every mixed step runs eagerly (README: "The budget is a trade-off").
-# On a CPU a chunk of 512 tokens of the embedded model takes about as long as 30 of its decode steps.
-DEFAULT_TOKEN_BUDGET = {"cuda": 2048, "cpu": 512}
+# The default budget, when --max-num-batched-tokens is not given. A budget is there to bound a step's time,
+# and a token's time is mostly its matrix multiplies, 2 FLOPs per weight of the layers it passes through. On a
+# GPU the default is therefore a compute figure, turned into tokens for the model loaded (a power of two, in
+# [256, 8192]): 8 TFLOP a step is 512 tokens of Qwen2.5-7B and 8192 of Qwen3-0.6B. On the H200, with step
+# 12's mixed-step graphs, 512 tokens of the 7B keep 32 decoders' longest wait under 8 steady steps while a
+# 16,000-token prompt is prefilled (README: "The budget is a trade-off"). On a CPU it is 512 tokens: a chunk of
+# the embedded model that takes about as long as 30 of its decode steps.
+GPU_STEP_FLOPS = 8e12
+GPU_BUDGET_RANGE = (256, 8192)
+CPU_TOKEN_BUDGET = 512
+
+
+def layer_flops_per_token(model: CausalLM) -> int:
+    """Multiply-adds of one token through the decoder layers, times 2 (the embedding is a lookup, and only
+    the rows that sample pass through the LM head)."""
+    return 2 * sum(p.numel() for p in model.model.layers.parameters())
+
+
+def default_token_budget(model: CausalLM, device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_TOKEN_BUDGET
+    low, high = GPU_BUDGET_RANGE
+    tokens = int(GPU_STEP_FLOPS // layer_flops_per_token(model))
+    return min(max(1 << max(tokens, 1).bit_length() - 1, low), high)  # the power of two at most `tokens`
 
 
 @dataclass
 class ChunkedPrefillEngineConfig(PreemptionEngineConfig):
-    max_num_batched_tokens: int | None = None  # tokens per step; None: DEFAULT_TOKEN_BUDGET for the device
+    max_num_batched_tokens: int | None = None  # tokens per step; None: `default_token_budget`
 
 
 @dataclass
@@ -87,18 +105,17 @@ class ChunkedPrefillEngine(PreemptionEngine):
     def __init__(self, loaded: LoadedModel, config: ChunkedPrefillEngineConfig) -> None:
         self.step_memory_bytes: int | None = None  # measured by `blocks_in_budget` on a GPU
         super().__init__(loaded, config)
-        self.token_budget = self.budget_for(config, self.device)
+        self.token_budget = self.budget_for(config)
         self.num_computed: dict[str, int] = {}  # per running (or swapped) request: tokens whose K/V is cached
         self.prefill_chunks = 0  # chunks that did not reach the end of their prompt
         self.mixed_steps = 0  # steps that ran decoders and prefill chunks in one forward
         self.preempted_this_step: set[str] = set()  # sit out the rest of the step (see `schedule`)
         print(f"[{type(self).__name__}] {self.describe_budget()}", flush=True)  # said at start-up
 
-    @staticmethod
-    def budget_for(config: ChunkedPrefillEngineConfig, device: torch.device) -> int:
+    def budget_for(self, config: ChunkedPrefillEngineConfig) -> int:
         budget = config.max_num_batched_tokens
         if budget is None:
-            return DEFAULT_TOKEN_BUDGET.get(device.type, DEFAULT_TOKEN_BUDGET["cpu"])
+            return default_token_budget(self.model, self.device)
         if budget < 1:
             raise ValueError(f"--max-num-batched-tokens must be at least 1, got {budget}")
         return budget
@@ -106,7 +123,7 @@ class ChunkedPrefillEngine(PreemptionEngine):
     def worst_step_tokens(self, config: ChunkedPrefillEngineConfig) -> int:
         """The most tokens one forward can hold: the budget, or one per running request if there are more
         decoders than that (they all run, and take no prefill with them)."""
-        return max(self.budget_for(config, self.device), config.max_num_seqs)
+        return max(self.budget_for(config), config.max_num_seqs)
 
     # ----- memory: measure the worst step before sizing the pool -------------------------------------------
 

@@ -11,15 +11,16 @@ import argparse
 
 from common.cli import main
 from step07_preemption.run import add_arguments as add_step07_arguments
-from step09_chunked_prefill.engine import DEFAULT_TOKEN_BUDGET, ChunkedPrefillEngine
+from step09_chunked_prefill.engine import CPU_TOKEN_BUDGET, GPU_STEP_FLOPS, ChunkedPrefillEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_step07_arguments(parser)
     chunked = parser.add_argument_group("chunked prefill")
-    defaults = ", ".join(f"{n} on {device}" for device, n in DEFAULT_TOKEN_BUDGET.items())
     chunked.add_argument("--max-num-batched-tokens", type=int, default=None,
-                         help=f"tokens one step may compute: every decoder's, then prefill chunks ({defaults})")
+                         help=f"tokens one step may compute: every decoder's, then prefill chunks (default: "
+                              f"{CPU_TOKEN_BUDGET} on a CPU; on a GPU about {GPU_STEP_FLOPS / 1e12:g} TFLOP of the "
+                              f"model's layers, 512 tokens of a 7B model)")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Writes JSON evidence (by default runs/step10_prefix_caching/prefix-<device>-<mod
 
     .venv/bin/python step10_prefix_caching/bench_prefix.py                                  # CPU, small scale
     .venv/bin/python step10_prefix_caching/bench_prefix.py --device cuda --model random:qwen2.5-7b \\
-        --requests 64 --prefix-len 2048 --suffix-len 32 --conversations 32 --turns 4 --user-len 256
+        --step step13_fused_decode --requests 64 --prefix-len 2048 --suffix-len 32 --conversations 32 --turns 4 --user-len 256
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ from typing import Any
 import torch
 
 from common.bench import default_output, evidence_header, write_json
-from common.cli import Parser, check_args, fail
+from common.cli import CommandLineError, Parser, check_args, fail
 from common.engine import Engine
 from common.loading import EMBEDDED_MODEL, LoadedModel, ModelLoadError, load_model
 from common.sampling import SamplingParams
+from common.steps import STEP_NAMES, engine_class
 from step10_prefix_caching.engine import PrefixCachingEngine, PrefixCachingEngineConfig
 
+CACHING_STEPS = STEP_NAMES[STEP_NAMES.index("step10_prefix_caching"):]
 PROMPT_IDS = (1000, 40000)  # ordinary text pieces in every bundled tokenizer
 
 
@@ -93,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attn", default="auto")
+    p.add_argument("--step", default="step10_prefix_caching", help=f"one of {','.join(CACHING_STEPS)}")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prefix-len", type=int, default=512)
     p.add_argument("--suffix-len", type=int, default=16)
@@ -106,21 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_engine(loaded: LoadedModel, args: argparse.Namespace, caching: bool) -> PrefixCachingEngine:
-    config = PrefixCachingEngineConfig(model=args.model, device=str(loaded.model.device), dtype=args.dtype,
-                                       attn=args.attn, enable_prefix_caching=caching)
-    return PrefixCachingEngine(loaded, config)
+    cls = engine_class(args.step)
+    config = cls.config_class(model=args.model, device=str(loaded.model.device), dtype=args.dtype, attn=args.attn,
+                              enable_prefix_caching=caching)
+    return cls(loaded, config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_args(args)
+        if args.step not in CACHING_STEPS:
+            raise CommandLineError(f"--step must be step 10 or later: {','.join(CACHING_STEPS)} (got {args.step})")
         device = torch.device(args.device if args.device != "auto" else "cpu")
         loaded = load_model(args.model, device, PrefixCachingEngineConfig(device=args.device, dtype=args.dtype)
                             .resolved_dtype(), args.seed)
-    except (ModelLoadError, ValueError) as err:
+    except (CommandLineError, ModelLoadError, ValueError) as err:
         return fail(err)
-    header = evidence_header(loaded.model.device, args.model, loaded.model.dtype, step="step10_prefix_caching",
+    header = evidence_header(loaded.model.device, args.model, loaded.model.dtype, step=args.step,
                              settings={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})
     rows = []
     for caching in (True, False):

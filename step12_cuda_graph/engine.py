@@ -1,11 +1,13 @@
-"""Step 12: decode steps replayed as CUDA graphs (`decode_graphs.py`); everything else is step 09's.
+"""Step 12: decode steps and mixed steps replayed as CUDA graphs; everything else is step 10's.
 
-Against step 09, `CudaGraphEngine` changes how a decode-only step runs: the batch is padded to a bucket, its
-inputs are written into static buffers, and the bucket's captured graph is replayed. A step with prefill work
-(a chunk riding with the decoders, whose shapes change with every chunk) runs step 09's mixed forward
-eagerly. The token budget, scheduling, preemption and priorities are step 09's, so requests join, leave and
-get preempted between replays exactly as before. One block of the pool is reserved as the dummy block that
-padded rows write to.
+Against step 10, `CudaGraphEngine` changes how a step runs, not what it computes:
+- a decode-only step (`decode_graphs.py`): the batch is padded to a bucket, its inputs are written into
+  static buffers, and the bucket's captured graph is replayed;
+- a mixed step, decoders and prefill chunks in one forward (`mixed_graphs.py`): its tokens are padded to a
+  token bucket, its requests to a row bucket, and that bucket's graph is replayed.
+The token budget, prefix caching, scheduling, preemption and priorities are steps 09 and 10's, so requests
+join, leave and get preempted between replays exactly as before. One block of the pool is reserved as the
+dummy block that padded rows and tokens write to.
 
 Once the GPU no longer waits for kernel launches, it waits for the host between steps: reading the tokens,
 detokenizing, checking for stops, scheduling. With `overlap` (on where decode is captured) each decode step
@@ -22,7 +24,8 @@ import torch
 from common.loading import LoadedModel
 from common.request import Request, RequestOutput
 from step02_paged_kv.kv_cache import PagedKVCache
-from step09_chunked_prefill.engine import Chunk, ChunkedPrefillEngine, ChunkedPrefillEngineConfig
+from step09_chunked_prefill.engine import Chunk
+from step10_prefix_caching.engine import PrefixCachingEngine, PrefixCachingEngineConfig
 from step12_cuda_graph.decode_graphs import GRAPH_BYTES_PER_LOGIT, DecodeGraphs, PendingTokens
 from step12_cuda_graph.mixed_graphs import MixedChunk, MixedStepGraphs
 
@@ -42,18 +45,18 @@ class LaunchedDecode:
 
 
 @dataclass
-class CudaGraphEngineConfig(ChunkedPrefillEngineConfig):
-    cuda_graph: bool = True  # False: step 09's eager decode, for comparison
+class CudaGraphEngineConfig(PrefixCachingEngineConfig):
+    cuda_graph: bool = True  # False: step 10's eager decode and mixed steps, for comparison
     max_graph_batch: int = 256  # larger decode batches run eagerly
     # Launch each decode step before the host turns the previous step's tokens into text (`launch_ahead`).
     # None: on wherever decode is captured (eagerly, on a CPU, there is nothing to overlap).
     overlap: bool | None = None
     # Mixed steps (decoders and prefill chunks) on static buffers, replayed as graphs per token bucket
-    # (`mixed_graphs.py`). Off by default until it has been measured on a GPU: step 09's eager mixed step.
-    mixed_graphs: bool = False
+    # (`mixed_graphs.py`). None: on wherever decode is captured (eagerly, padding would only cost time).
+    mixed_graphs: bool | None = None
 
 
-class CudaGraphEngine(ChunkedPrefillEngine):
+class CudaGraphEngine(PrefixCachingEngine):
     config_class = CudaGraphEngineConfig
     reserved_blocks = 1  # the dummy block: padded rows write their K/V there, and nobody reads it
 
@@ -70,7 +73,7 @@ class CudaGraphEngine(ChunkedPrefillEngine):
         if config.cuda_graph:
             self.graphs = self.build_graphs(config)
         self.mixed: MixedStepGraphs | None = None
-        if config.mixed_graphs:
+        if self.eager_reason is None if config.mixed_graphs is None else config.mixed_graphs:
             self.mixed = MixedStepGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
                                          self.worst_step_tokens(config), config.max_num_seqs,
                                          capture=self.eager_reason is None)
@@ -99,7 +102,7 @@ class CudaGraphEngine(ChunkedPrefillEngine):
     def why_not_capture(self, config: CudaGraphEngineConfig) -> str | None:
         """None if decode can be captured; otherwise the reason it runs eagerly, to be said out loud."""
         if not config.cuda_graph:
-            return "--no-cuda-graph: step 09's eager decode"
+            return "--no-cuda-graph: step 10's eager steps"
         if self.device.type != "cuda":
             return "CUDA graphs need a CUDA device: the padded static-buffer decode runs eagerly"
         if self.backend.name == "torch":
@@ -181,10 +184,10 @@ class CudaGraphEngine(ChunkedPrefillEngine):
         length. A request that stops otherwise (end of sequence, a stop string, an abort) costs only a
         wasted row; a batch the guess cannot cover (a swapped request coming back, or no free block for the
         guess) makes the next step launch afresh. Nothing is launched ahead while prefill work waits: the next
-        step is then likely a mixed one, which runs eagerly."""
+        step is then likely a mixed one, which the scheduler lays out."""
         assert self.graphs is not None
         if self.swapped or self.prefill_pending():
-            return None  # the next step may bring a request back, or be a mixed step that runs eagerly
+            return None  # the next step may bring a request back, or be a mixed step
         batch = [r for r in self.running if not self.finishes_by_length(r, pending=r.request_id in current.rows)]
         if not batch or len(batch) > self.graphs.max_batch:
             return None

@@ -1,5 +1,5 @@
-"""Step 12: decode replayed as CUDA graphs, one per batch-size bucket; the token budget, chunked prefill,
-scheduling and preemption are step 09's.
+"""Step 12: decode steps replayed as CUDA graphs per batch bucket, mixed steps per token bucket; the token
+budget, prefix caching, scheduling and preemption are steps 09 and 10's.
 
 Examples:
     .venv/bin/python step12_cuda_graph/run.py --dry-run                          # tiny models, parity with HF (eager on CPU)
@@ -11,20 +11,20 @@ Examples:
 import argparse
 
 from common.cli import main
-from step09_chunked_prefill.run import add_arguments as add_step09_arguments
+from step10_prefix_caching.run import add_arguments as add_step10_arguments
 from step12_cuda_graph.engine import CudaGraphEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_step09_arguments(parser)
+    add_step10_arguments(parser)
     graphs = parser.add_argument_group("CUDA graphs")
     graphs.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                         help="replay decode steps as CUDA graphs (default; on CPU the same path runs eagerly)")
     graphs.add_argument("--max-graph-batch", type=int, default=256,
                         help="the largest decode batch with a graph; larger batches run eagerly (default 256)")
-    graphs.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=False,
-                        help="replay mixed steps (decoders and prefill chunks) as graphs per token bucket; on CPU "
-                             "the same static-buffer path runs eagerly (off by default: not yet measured on a GPU)")
+    graphs.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="replay mixed steps (decoders and prefill chunks) as graphs per token bucket (default: "
+                             "on wherever decode is captured; --mixed-graphs on a CPU runs the padded path eagerly)")
     graphs.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                         help="launch each decode step before the host has processed the previous one's tokens "
                              "(default: on wherever decode is captured as graphs)")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import Counter
+from typing import Any
 
 # Without a GPU, Triton kernels run only in Triton's interpreter, which must be chosen before triton is
 # first imported (by anything), hence here, before torch and transformers.
@@ -105,3 +107,15 @@ def embedded_reference(embedded: LoadedModel, embedded_hf: PreTrainedModel) -> l
         ids = embedded.tokenizer.apply_chat_template(prompt)
         pairs.append((ids, reference_greedy(embedded_hf, ids, PARITY_MAX_TOKENS, eos)))
     return pairs
+
+
+def assert_blocks_held_once_per_holder(engine: Any) -> None:
+    """Every block in a block table is owned by the allocator, and held once per holder: by one request
+    before step 10, by as many requests as its reference count from step 10 on (a shared cached prefix)."""
+    held = Counter(b for table in engine.block_tables.values() for b in table)
+    ref_counts = getattr(engine.allocator, "ref_counts", None)
+    if ref_counts is None:
+        assert all(n == 1 for n in held.values()), "a block is in two block tables"
+    else:
+        assert held == ref_counts, "a block's reference count is not the number of block tables holding it"
+    assert set(held) == engine.allocator.owned

@@ -11,7 +11,7 @@ from common.request import RequestStatus
 from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
-from tests.conftest import PARITY_MAX_TOKENS, assert_matches_reference, step01_tokens
+from tests.conftest import PARITY_MAX_TOKENS, assert_blocks_held_once_per_holder, assert_matches_reference, step01_tokens
 
 
 def run_checked(engine: PreemptionEngine, prompts: list[list[int]], params: SamplingParams,
@@ -31,8 +31,7 @@ def run_checked(engine: PreemptionEngine, prompts: list[list[int]], params: Samp
         for rid, request in requests.items():
             assert request.output_token_ids[: len(tokens_seen[rid])] == tokens_seen[rid], "a token changed"
             tokens_seen[rid] = list(request.output_token_ids)
-        owned = [b for t in engine.block_tables.values() for b in t]
-        assert len(owned) == len(set(owned)) and set(owned) == engine.allocator.owned
+        assert_blocks_held_once_per_holder(engine)
     assert sorted(finished) == sorted(ids), "a request was lost or finished twice"
     for rid, request in requests.items():
         assert streamed[rid] == request.text  # the streamed text is exactly the final text

@@ -13,7 +13,8 @@ from common.reference import hf_model_for, reference_greedy
 from common.request import RequestStatus
 from common.sampling import SamplingParams
 from step09_chunked_prefill.engine import ChunkedPrefillEngine, ChunkedPrefillEngineConfig
-from tests.conftest import PARITY_MAX_TOKENS, assert_matches_reference, in_vocab, tiny_with_small_vocab
+from tests.conftest import (PARITY_MAX_TOKENS, assert_blocks_held_once_per_holder, assert_matches_reference, in_vocab,
+                            tiny_with_small_vocab)
 from tests.test_step06 import needs_triton
 from tests.test_step07 import assert_nothing_left
 
@@ -65,8 +66,7 @@ class CheckedRun:
                 request = next(r for r in requests if r.request_id == rid)
                 if not request.finished:
                     assert engine.num_computed[rid] == request.num_tokens - 1, "sampled before the last chunk"
-            owned = [b for t in engine.block_tables.values() for b in t]
-            assert len(owned) == len(set(owned)) and set(owned) == engine.allocator.owned
+            assert_blocks_held_once_per_holder(engine)
         assert_nothing_left(engine)
         assert not engine.num_computed
         return [r.output_token_ids for r in requests]

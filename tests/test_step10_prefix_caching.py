@@ -12,6 +12,7 @@ from common.sampling import SamplingParams
 from step02_paged_kv.block_allocator import OutOfBlocksError
 from step10_prefix_caching.block_pool import PrefixCachingAllocator, chain_keys
 from step10_prefix_caching.engine import PrefixCachingEngine, PrefixCachingEngineConfig
+from tests.conftest import assert_blocks_held_once_per_holder
 
 
 def test_keys_chain_over_the_prefix() -> None:
@@ -56,11 +57,7 @@ def run(engine: PrefixCachingEngine, waves: list[list[list[int]]], max_tokens: i
         requests = [engine.requests[engine.add_request(p, SamplingParams(max_tokens=max_tokens))] for p in wave]
         while engine.has_unfinished():
             engine.step()
-            held: dict[int, int] = {}
-            for table in engine.block_tables.values():
-                for block in table:
-                    held[block] = held.get(block, 0) + 1
-            assert held == engine.allocator.ref_counts
+            assert_blocks_held_once_per_holder(engine)
         outputs += [r.output_token_ids for r in requests]
     return outputs
 

@@ -39,7 +39,6 @@ def test_each_step_has_its_folder_lesson_run_notebook_and_tests(name: str) -> No
 BUILDS_ON = {
     "step02_paged_kv": "the engine interface (a new cache, not step 01's)",
     "step06_paged_attention": "step02_paged_kv (attention replaces step 03's gather; it does not extend it)",
-    "step12_cuda_graph": "step09_chunked_prefill (until step 10 has been measured on a GPU under the graphs)",
 }
 
 
