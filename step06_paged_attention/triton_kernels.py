@@ -57,14 +57,20 @@ def _load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexpr):
+def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexpr, MASKED: tl.constexpr):
     """Fold one K/V tile into the running max `m_i`, sum `l_i` and weighted values `acc` (all float32).
-    PRECISION "ieee" keeps float32 products exact; "tf32" (the default) would round them to 10 bits."""
+    PRECISION "ieee" keeps float32 products exact; "tf32" (the default) would round them to 10 bits.
+    MASKED False: every row may see every key of the tile, so `allowed` is not applied (and no row is left
+    at -inf, so no guard is needed): the prefill kernel's tiles left of the causal diagonal."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    scores = tl.where(allowed, scores, float("-inf"))
+    if MASKED:
+        scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    # A fully masked row keeps m = -inf; exp(-inf - -inf) would be NaN, so guard with a finite base.
-    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if MASKED:
+        # A fully masked row keeps m = -inf; exp(-inf - -inf) would be NaN, so guard with a finite base.
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        base = m_new
     p = tl.exp(scores - base[:, None])
     alpha = tl.exp(m_i - base)
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -106,7 +112,7 @@ def _paged_decode_split_kernel(
         valid = t < end
         k, v = _load_kv_tile(K_CACHE, V_CACHE, BLOCK_TABLE + b * stride_bt, t, valid, kv_head, d, stride_slot,
                              HEAD_DIM, BLOCK_SIZE)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, PRECISION)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, PRECISION, True)
 
     out = OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if NUM_SPLITS == 1:  # nothing to merge; rows past the group (padding) divide by 1, not 0
@@ -226,6 +232,21 @@ write_kv, paged_decode = KERNELS.write_kv, KERNELS.paged_decode  # as functions,
 
 
 @triton.jit
+def _attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, start, end, last, kv_head, d, stride_slot,
+                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+                      MASKED: tl.constexpr):
+    """Fold the key tiles from `start` to `end` into the running softmax of query rows at positions `pos`.
+    Keys at or past `last` are never read; MASKED applies the causal mask (key position <= row position)."""
+    for tile_start in range(start, end, TILE):
+        t = tile_start + tl.arange(0, TILE)
+        valid = t < last
+        k, v = _load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE)
+        allowed = valid[None, :] & (t[None, :] <= pos[:, None])  # causal
+        m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION, MASKED)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _prefill_tile(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale, b, m_tile, h,
                   stride_qt, stride_qh, stride_bt, stride_slot, stride_ot, stride_oh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -246,14 +267,16 @@ def _prefill_tile(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, sca
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        last = tl.minimum(context - q_len + (m_tile + 1) * BLOCK_M, context)  # causal: no key past the last row
-        for tile_start in range(0, last, TILE):
-            t = tile_start + tl.arange(0, TILE)
-            valid = t < last
-            k, v = _load_kv_tile(K_CACHE, V_CACHE, BLOCK_TABLE + b * stride_bt, t, valid, kv_head, d, stride_slot,
-                                 HEAD_DIM, BLOCK_SIZE)
-            allowed = valid[None, :] & (t[None, :] <= pos[:, None])  # causal
-            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION)
+        first_pos = context - q_len + m_tile * BLOCK_M  # the first row's position
+        last = tl.minimum(first_pos + BLOCK_M, context)  # causal: no key past the last row
+        # Every row sees every key up to `first_pos`: whole key tiles there need no causal mask. For a chunk
+        # over a long cached prefix that is nearly all of them; only the tiles on the diagonal are masked.
+        seen_by_all = (first_pos + 1) // TILE * TILE
+        table_row = BLOCK_TABLE + b * stride_bt
+        m_i, l_i, acc = _attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, table_row, 0, seen_by_all, last,
+                                          kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False)
+        m_i, l_i, acc = _attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, table_row, seen_by_all, last, last,
+                                          kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, True)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])

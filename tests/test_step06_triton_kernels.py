@@ -99,8 +99,9 @@ def test_write_kv_stores_each_token_at_its_slot(block_size: int, packed: bool) -
 @pytest.mark.parametrize("group", [1, 3, 7])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_paged_prefill_with_cached_prefix_matches_reference(group: int, block_size: int) -> None:
-    """Three requests: no prefix, a prefix ending mid-block, a long prefix; new tokens attend causally."""
-    prefix_lens, new_lens = [0, 6, 29], [9, 4, 35]
+    """Four requests: no prefix, a prefix ending mid-block, a prefix shorter and one longer than the new
+    tokens (several whole key tiles before the causal diagonal, then the masked ones); causal attention."""
+    prefix_lens, new_lens = [0, 6, 29, 70], [9, 4, 35, 21]
     context = [p + n for p, n in zip(prefix_lens, new_lens)]
     k_cache, v_cache = make_cache(64, block_size, torch.float32)
     table = shuffled_tables(context, block_size, 64, seed=1)
