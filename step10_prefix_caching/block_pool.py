@@ -13,8 +13,9 @@ Step 02's allocator owned each block once and forgot its contents when it came b
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from step02_paged_kv.block_allocator import BlockAllocator, OutOfBlocksError
 
@@ -23,16 +24,15 @@ ROOT_KEY = b""  # the key "before" a sequence's first block
 
 def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """The key of a full block: its tokens, after everything `parent` stands for."""
-    return hashlib.sha256(parent + b"".join(t.to_bytes(4, "little") for t in token_ids)).digest()
+    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()  # 4 bytes a token
 
 
-def chain_keys(token_ids: Sequence[int], block_size: int, num_blocks: int, parent: bytes = ROOT_KEY) -> list[bytes]:
-    """The keys of the first `num_blocks` full blocks of `token_ids`, each chained on the one before."""
-    keys = []
+def chain_keys(token_ids: Sequence[int], block_size: int, num_blocks: int, parent: bytes = ROOT_KEY) -> Iterator[bytes]:
+    """The keys of the first `num_blocks` full blocks of `token_ids`, each chained on the one before, one at
+    a time: a lookup that stops at the first block not cached hashes no further."""
     for i in range(num_blocks):
         parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size])
-        keys.append(parent)
-    return keys
+        yield parent
 
 
 class PrefixCachingAllocator(BlockAllocator):
@@ -83,9 +83,9 @@ class PrefixCachingAllocator(BlockAllocator):
                 else:
                     self.free_blocks.append(block)
 
-    def claim(self, keys: Sequence[bytes]) -> list[int]:
+    def claim(self, keys: Iterable[bytes]) -> list[int]:
         """The blocks of the longest run of `keys` (from the first) that are in the pool, one reference more
-        on each: owned by others already, or cached (then owned again)."""
+        on each: owned by others already, or cached (then owned again). Reads no key past the first miss."""
         blocks = []
         for key in keys:
             block = self.block_of_key.get(key)

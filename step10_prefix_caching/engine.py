@@ -58,14 +58,13 @@ class PrefixCachingEngine(ChunkedPrefillEngine):
         size = self.cache.block_size
         tokens = request.all_token_ids
         full_blocks = (len(tokens) - 1) // size  # never the block holding the last token: its logits are needed
-        keys = chain_keys(tokens, size, full_blocks)
-        blocks = self.allocator.claim(keys)
+        blocks = self.allocator.claim(chain_keys(tokens, size, full_blocks))  # hashes up to the first miss only
         self.queried_tokens += len(tokens)
         self.hit_tokens += len(blocks) * size
         if blocks:
             self.block_tables[request.request_id] = blocks
             self.num_computed[request.request_id] = len(blocks) * size
-            self.block_keys[request.request_id] = keys[: len(blocks)]
+            self.block_keys[request.request_id] = list(chain_keys(tokens, size, len(blocks)))  # (again, on a hit)
 
     # ----- bookkeeping: key every block a forward fills -------------------------------------------------------
 

@@ -128,7 +128,24 @@ class CudaGraphEngine(PrefixCachingEngine):
 
     @torch.inference_mode()
     def compute_chunks(self, chunks: list[Chunk], sampling: list[Chunk]) -> list[int]:
-        """Step 09's mixed forward on the static buffers of `MixedStepGraphs`, replayed where captured."""
+        """Step 09's mixed forward, replayed where captured. When new work arrives, the decode step launched
+        ahead during the last step has already computed the decoders' next tokens (and written their K/V):
+        those decoders are taken from it, and only the other chunks run, rather than computing them twice."""
+        ahead, self.launched_ahead = self.launched_ahead, None
+        taken = {c.request.request_id for c in chunks if ahead is not None and c.num_tokens == 1
+                 and ahead.seq_lens.get(c.request.request_id) == c.end == c.request.num_tokens}
+        if not taken:
+            return self.run_chunks(chunks, sampling)
+        assert ahead is not None
+        self.steps_taken_from_ahead += 1
+        rest = [c for c in chunks if c.request.request_id not in taken]
+        rest_tokens = iter(self.run_chunks(rest, [c for c in rest if c.samples]))
+        ahead_tokens = ahead.tokens.wait()
+        return [ahead_tokens[ahead.rows[c.request.request_id]] if c.request.request_id in taken else next(rest_tokens)
+                for c in sampling]
+
+    def run_chunks(self, chunks: list[Chunk], sampling: list[Chunk]) -> list[int]:
+        """The mixed forward on the static buffers of `MixedStepGraphs`, replayed where captured (else step 09's)."""
         if self.mixed is None or not self.mixed.fits(sum(c.num_tokens for c in chunks), len(chunks)):
             return super().compute_chunks(chunks, sampling)
         pending = self.mixed.launch([

@@ -16,10 +16,25 @@ from tests.conftest import assert_blocks_held_once_per_holder
 
 
 def test_keys_chain_over_the_prefix() -> None:
-    a = chain_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, 2)
-    b = chain_keys([9, 9, 9, 9, 5, 6, 7, 8], 4, 2)
+    a = list(chain_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, 2))
+    b = list(chain_keys([9, 9, 9, 9, 5, 6, 7, 8], 4, 2))
     assert a[0] != b[0] and a[1] != b[1]  # same second block, other prefix: another key
-    assert chain_keys([1, 2, 3, 4, 0, 0], 4, 1) == a[:1]
+    assert list(chain_keys([1, 2, 3, 4, 0, 0], 4, 1)) == a[:1]
+    assert len(set(a + b)) == 4 and all(len(key) == 32 for key in a)  # SHA-256 digests
+
+
+def test_a_lookup_hashes_no_block_past_the_first_miss() -> None:
+    pool = PrefixCachingAllocator(4)
+    (x,) = pool.allocate(1)
+    pool.register(x, b"x")
+    read: list[bytes] = []
+
+    def keys():  # noqa: ANN202
+        for key in (b"x", b"miss", b"never"):
+            read.append(key)
+            yield key
+
+    assert pool.claim(keys()) == [x] and read == [b"x", b"miss"]
 
 
 def test_blocks_are_counted_cached_then_evicted_least_recently_used_first() -> None:

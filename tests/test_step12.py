@@ -108,6 +108,35 @@ def test_preemption_between_steps_changes_no_output(tiny: LoadedModel, preempt: 
     assert engine.preemptions >= 2
 
 
+def test_an_arrival_takes_the_decoders_tokens_from_the_step_launched_ahead(tiny: LoadedModel) -> None:
+    """Two requests decode, each step launched ahead; a third arrives. The next step mixes its first chunk
+    with the decoders, whose tokens the step launched ahead has already computed: they are taken from it
+    (not computed twice), and every request still gets step 01's tokens."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:3]]
+    params = SamplingParams(max_tokens=12)
+    expected = step01_tokens(tiny, prompts, params)
+    engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=4, num_blocks=128, attn="torch",
+                                                         overlap=True, max_num_batched_tokens=8))
+    ids = [engine.add_request(p, params) for p in prompts[:2]]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+
+    def step() -> None:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+
+    while engine.prefill_pending() or engine.ahead is None:
+        step()
+    taken = engine.steps_taken_from_ahead
+    ids.append(engine.add_request(prompts[2], params))
+    tokens[ids[2]] = []
+    step()  # the new prompt's first chunk of 8 tokens, beside the two decoders
+    assert engine.steps_taken_from_ahead == taken + 1 and len(tokens[ids[2]]) == 0
+    while engine.has_unfinished():
+        step()
+    assert [tokens[i] for i in ids] == expected
+    assert engine.allocator.num_used == 0 and not engine.block_tables
+
+
 def test_abort_with_a_step_launched_ahead(tiny: LoadedModel) -> None:
     """A request aborted while the step launched ahead computes its next token: everything it held is
     freed, and the others get exactly the tokens they get alone."""
