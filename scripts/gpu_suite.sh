@@ -156,10 +156,13 @@ chunked_parity() {
 }
 
 long_prompt() {
-  echo "== step13 (on step09): 32 decoders and one 16,000-token prompt, for each budget; step07 (no budget) alike"
+  echo "== step13: 32 decoders and one 16,000-token prompt: the default budget, then each budget with eager mixed steps; step07 (no budget) alike"
+  python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step13_fused_decode \
+    --scenarios stall --decoders 32 --long-prompt-len 16000 --budgets none,default \
+    --output "$OUT/long-prompt-cuda-random-qwen2.5-7b-default.json"
   python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step13_fused_decode \
     --scenarios stall --decoders 32 --long-prompt-len 16000 --budgets ${BUDGETS:-none,256,512,1024,2048,4096,8192} \
-    --output "$OUT/long-prompt-cuda-random-qwen2.5-7b.json"
+    --no-mixed-graphs --output "$OUT/long-prompt-cuda-random-qwen2.5-7b.json"
   python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step07_preemption \
     --scenarios stall --decoders 32 --long-prompt-len 16000 --output "$OUT/long-prompt-cuda-random-qwen2.5-7b-step07.json"
 }
@@ -167,26 +170,37 @@ long_prompt() {
 burst() {
   echo "== 64 prompts of 2,080 tokens added at once to the bare engine: step13 with its default budget, and step07"
   python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step13_fused_decode \
-    --scenarios burst --budgets "${BUDGET:-2048}" --burst-requests 64 --burst-prompt-len 2080 \
+    --scenarios burst --budgets "${BUDGET:-default}" --burst-requests 64 --burst-prompt-len 2080 \
     --output "$OUT/burst-cuda-random-qwen2.5-7b.json"
   python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step07_preemption \
     --scenarios burst --burst-requests 64 --burst-prompt-len 2080 --output "$OUT/burst-cuda-random-qwen2.5-7b-step07.json"
 }
 
 mixed_graphs() {
-  echo "== step12's mixed-step graphs: their tests on CUDA, then the stall sweep and the 256-request workload with them"
+  echo "== step12's mixed-step graphs: their tests on CUDA, then the stall sweep and the 256-request workload per budget, with and without them"
   python -m pytest -q -m "not embedded" tests/test_step12_mixed_graphs.py 2>&1 | tee "$OUT/mixed-graphs-pytest-cuda.txt"
   python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step13_fused_decode \
     --mixed-graphs --scenarios stall --decoders 32 --long-prompt-len 16000 --budgets none,256,512,1024,2048 \
     --output "$OUT/long-prompt-cuda-random-qwen2.5-7b-mixed-graphs.json"
+  for run in "2048 --no-mixed-graphs" "2048 --mixed-graphs" "512 --mixed-graphs" "1024 --mixed-graphs" "512 --no-mixed-graphs"; do
+    set -- $run
+    python step13_fused_decode/run.py --bench --workload nanovllm --model random:qwen3-0.6b --device cuda --no-hf \
+      --max-num-batched-tokens "$1" "$2" --bench-output "$OUT/nanovllm-cuda-random-qwen3-0.6b-budget$1${2#-}.json"
+  done
   python step13_fused_decode/run.py --bench --workload nanovllm --model random:qwen3-0.6b --device cuda --no-hf \
-    --mixed-graphs --bench-output "$OUT/nanovllm-cuda-random-qwen3-0.6b-mixed-graphs.json"
+    --bench-output "$OUT/nanovllm-cuda-random-qwen3-0.6b-default.json"
+}
+
+prefill_kernel_bench() {
+  echo "== step06: the paged prefill kernel, checked then timed per launch, on chunks over long cached prefixes"
+  python step06_paged_attention/prefill_kernel_bench.py --points 256x16384,480x16384,1024x16384,2048x2048 \
+    --output "$OUT/prefill-kernel-bench-cuda-qwen2.5-7b.json"
 }
 
 prefix_caching() {
   echo "== step10: its tests on CUDA, then 64 requests sharing a 2,048-token prefix and 32 conversations x 4 turns, caching on and off"
   python -m pytest -q -m "not embedded" tests/test_step10_prefix_caching.py 2>&1 | tee "$OUT/prefix-caching-pytest-cuda.txt"
-  python step10_prefix_caching/bench_prefix.py --device cuda --model random:qwen2.5-7b --requests 64 --prefix-len 2048 \
+  python step10_prefix_caching/bench_prefix.py --device cuda --model random:qwen2.5-7b --step step13_fused_decode --requests 64 --prefix-len 2048 \
     --suffix-len 32 --conversations 32 --turns 4 --user-len 256 --output "$OUT/prefix-cuda-random-qwen2.5-7b.json"
 }
 
@@ -197,5 +211,5 @@ burst_serve() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long prefill_vs_paged graphs_large matmul_bench profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs chunked_parity long_prompt burst burst_serve mixed_graphs prefix_caching)
+[ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long prefill_vs_paged graphs_large matmul_bench profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs chunked_parity long_prompt burst burst_serve mixed_graphs prefill_kernel_bench prefix_caching)
 for section in "${sections[@]}"; do "$section"; done
