@@ -132,11 +132,12 @@ class CudaGraphEngine(PrefixCachingEngine):
         ahead during the last step has already computed the decoders' next tokens (and written their K/V):
         those decoders are taken from it, and only the other chunks run, rather than computing them twice."""
         ahead, self.launched_ahead = self.launched_ahead, None
-        taken = {c.request.request_id for c in chunks if ahead is not None and c.num_tokens == 1
-                 and ahead.seq_lens.get(c.request.request_id) == c.end == c.request.num_tokens}
+        if ahead is None:
+            return self.run_chunks(chunks, sampling)
+        taken = {c.request.request_id for c in chunks
+                 if c.num_tokens == 1 and ahead.seq_lens.get(c.request.request_id) == c.end == c.request.num_tokens}
         if not taken:
             return self.run_chunks(chunks, sampling)
-        assert ahead is not None
         self.steps_taken_from_ahead += 1
         rest = [c for c in chunks if c.request.request_id not in taken]
         rest_tokens = iter(self.run_chunks(rest, [c for c in rest if c.samples]))
