@@ -34,10 +34,10 @@ def paged_prefill_tiles(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         num_stages: int = 3) -> torch.Tensor:
     """As step 06's `paged_prefill`, one program per entry of the tile list and head: entry i computes query
     rows `tile_index[i] * block_m ..` of request `tile_request[i]` (-1: nothing). Rows of `q` that no entry
-    covers (padding) are left as they were allocated."""
+    covers (padding) are zeros: a padded token's K/V, written to the dummy block, must stay finite."""
     total, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q)
     _paged_prefill_tiles_kernel[(tile_request.shape[0], heads)](
         q, k_cache, v_cache, block_table, cu_q_lens, context_lens, tile_request, tile_index, out, head_dim**-0.5,
         q.stride(0), q.stride(1), block_table.stride(0), kv_heads * head_dim, out.stride(0), out.stride(1),

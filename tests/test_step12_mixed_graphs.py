@@ -10,6 +10,7 @@ from common.loading import LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
 from common.reference import hf_model_for, reference_greedy
 from common.sampling import SamplingParams
+from step06_paged_attention.backends import AttentionMetadata, TorchBackend
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
 from step12_cuda_graph.mixed_graphs import (TILE_ROWS, MixedChunk, StaticMixedInputs, max_tiles, mixed_row_buckets,
                                             mixed_token_buckets)
@@ -48,7 +49,7 @@ def test_fill_lays_out_chunks_and_pads_on_the_dummy_block() -> None:
 @needs_triton
 def test_tile_kernel_matches_step06_prefill() -> None:
     """Three requests (a decoder, a chunk over a cached prefix, a fresh prompt of two tiles), launched over a
-    tile list with spare entries, give step 06's kernel's output."""
+    tile list with spare entries, give step 06's kernel's output; three padded tokens after them get zeros."""
     from step06_paged_attention.triton_kernels import paged_prefill
     from step12_cuda_graph.prefill_tiles import paged_prefill_tiles
 
@@ -64,15 +65,30 @@ def test_tile_kernel_matches_step06_prefill() -> None:
         at += n
     k_cache = torch.randn(at, block_size, kv_heads, head_dim, device=DEVICE)
     v_cache = torch.randn_like(k_cache)
-    q = torch.randn(sum(new), heads, head_dim, device=DEVICE)
+    q = torch.randn(sum(new) + 3, heads, head_dim, device=DEVICE)  # 3 padded tokens: no request's
     cu = torch.tensor([0, 1, 6, 76], dtype=torch.int32, device=DEVICE)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     table = table.to(DEVICE)
-    expected = paged_prefill(q, k_cache, v_cache, table, cu, ctx, max(new), block_m=TILE_ROWS, tile=16)
+    expected = paged_prefill(q[: sum(new)], k_cache, v_cache, table, cu, ctx, max(new), block_m=TILE_ROWS, tile=16)
     tile_request = torch.tensor([0, 1, 2, 2, -1, -1], dtype=torch.int32, device=DEVICE)
     tile_index = torch.tensor([0, 0, 0, 1, 0, 0], dtype=torch.int32, device=DEVICE)
     out = paged_prefill_tiles(q, k_cache, v_cache, table, cu, ctx, tile_request, tile_index, TILE_ROWS, tile=16)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[: sum(new)], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[sum(new) :], torch.zeros_like(out[sum(new) :]))
+
+
+def test_padded_tokens_attend_to_nothing_on_the_torch_backend() -> None:
+    """A mixed step's padded tokens belong to no request: the reference backend leaves their output at zero
+    (uninitialized, it could be NaN, written to the dummy block as K/V, and summed by a later masked read)."""
+    torch.manual_seed(0)
+    k_cache = torch.randn(4, 4, 2, 16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(5 + 3, 6, 16)  # one request's 5 new tokens, then 3 padded ones
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(8), block_table=torch.tensor([[0, 1]]),
+                             seq_lens=torch.tensor([5]), cu_q_lens=torch.tensor([0, 5]), q_lens=[5],
+                             seq_lens_host=[5], max_q_len=8, max_seq_len=5, block_size=4)
+    out = TorchBackend().prefill(q, k_cache, v_cache, meta)
+    assert torch.isfinite(out[:5]).all() and torch.equal(out[5:], torch.zeros_like(out[5:]))
 
 
 def hf_tokens(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
