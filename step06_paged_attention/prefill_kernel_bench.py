@@ -27,9 +27,10 @@ from common.cli import CommandLineError, Parser, fail
 from common.config import load_bundled_config
 from step06_paged_attention import triton_kernels
 
-# (rows per program, keys per tile, warps, stages): the kernel's default first.
-CONFIGS = [(32, 32, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 2),
-           (128, 64, 8, 3), (128, 64, 4, 2)]
+# (rows per program, keys per tile, warps, stages); the kernel's default is (64, 64, 4, 3).
+CONFIGS = [(32, 32, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3),
+           (64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+           (128, 64, 4, 2)]
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
