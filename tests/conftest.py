@@ -6,8 +6,10 @@ Everything here is session-scoped and read-only: a test must never change a mode
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 # Without a GPU, Triton kernels run only in Triton's interpreter, which must be chosen before triton is
@@ -52,6 +54,17 @@ def tiny_with_small_vocab(name: str, device: str | torch.device = "cpu", vocab_s
 def in_vocab(prompt_ids: list[int], vocab_size: int = SMALL_VOCAB) -> list[int]:
     """A prompt's ids folded into a small vocabulary (random weights care for no meaning, only for ids)."""
     return [t % vocab_size for t in prompt_ids]
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory() -> Iterator[None]:
+    """After each test on a GPU machine, collect what it left. An engine built without `num_blocks` sizes its
+    KV pool from the GPU's free memory; engines hold reference cycles, so one left for the garbage collector
+    could keep ~120 GiB and make the next test's engine run out of memory (seen on the H200)."""
+    yield
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")
