@@ -115,8 +115,9 @@ class StaticMixedInputs:
         tile_request[: len(tiles) + spare] = torch.tensor([r for r, _ in tiles] + [-1] * spare, dtype=torch.int32)
         tile_index[: len(tiles) + spare] = torch.tensor([t for _, t in tiles] + [0] * spare, dtype=torch.int32)
         # Row by row, each only as long as its own table: padding every row to the longest (a 16,000-token
-        # prompt's 1,000 blocks) cost the host milliseconds a step. What lies past a row's blocks is never read
-        # (the kernels stop at its length), and rows past the chunks have no tokens.
+        # prompt's 1,000 blocks) cost the host milliseconds a step. What lies past a row's blocks is never used:
+        # the Triton kernels stop at the row's length, and the torch backend masks what it gathers there (ids
+        # of real blocks from earlier steps, so finite values). Rows past the chunks have no tokens.
         for row, chunk in enumerate(chunks):
             table[row, : len(chunk.table)] = torch.tensor(chunk.table, dtype=torch.int32)
         self.device_buffer.copy_(self.host_buffer, non_blocking=True)
