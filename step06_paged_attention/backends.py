@@ -90,9 +90,7 @@ class TorchBackend(AttentionBackend):
     def prefill(self, q, k_cache, v_cache, meta):
         keys = self.gather(k_cache, meta, meta.max_seq_len)
         values = self.gather(v_cache, meta, meta.max_seq_len)
-        # Zeros, not empty: step 12 pads a mixed step with tokens that belong to no request, and their output
-        # must stay finite (it becomes the K/V they write to the dummy block, which a masked read still sums).
-        out = torch.zeros_like(q)
+        out = torch.empty_like(q)
         start = 0
         for i, (n, length) in enumerate(zip(meta.q_lens, meta.seq_lens_host)):
             # The new tokens sit at positions length - n .. length - 1 and see every key up to their own.

@@ -174,6 +174,14 @@ def parse_budgets(text: str) -> list[str]:
     return [label for label in ("none", "default") if label in budgets] + [str(n) for n in sizes]
 
 
+def budget_of(label: str, whole: int) -> int | None:
+    """The engine's budget for a label: "none" is one as large as the scenario's whole prompt length (no chunk
+    is ever cut), "default" is None (the engine picks its own), a number is itself."""
+    if label == "none":
+        return whole
+    return None if label == "default" else int(label)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -202,9 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      else args.burst_requests * args.burst_prompt_len)
             max_num_seqs = args.decoders + 1 if scenario == "stall" else args.burst_requests
             try:
-                # No budget: one as large as the scenario's whole prompt length (a step before 09 has none at all).
-                step_budget = None if label == "default" or not has_budget else whole if label == "none" else int(label)
-                engine = build_engine(loaded, args.step, step_budget, args, max_num_seqs)
+                engine = build_engine(loaded, args.step, budget_of(label, whole) if has_budget else None, args,
+                                      max_num_seqs)
             except torch.OutOfMemoryError as err:
                 results[scenario].append({"budget": label, "survived": False,
                                           "error": f"at start-up: {str(err).splitlines()[0]}"})

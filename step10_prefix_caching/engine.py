@@ -64,7 +64,7 @@ class PrefixCachingEngine(ChunkedPrefillEngine):
         if blocks:
             self.block_tables[request.request_id] = blocks
             self.num_computed[request.request_id] = len(blocks) * size
-            self.block_keys[request.request_id] = list(chain_keys(tokens, size, len(blocks)))  # (again, on a hit)
+            self.block_keys[request.request_id] = [self.allocator.key_of_block[b] for b in blocks]
 
     # ----- bookkeeping: key every block a forward fills -------------------------------------------------------
 

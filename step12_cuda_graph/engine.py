@@ -73,7 +73,8 @@ class CudaGraphEngine(PrefixCachingEngine):
         if config.cuda_graph:
             self.graphs = self.build_graphs(config)
         self.mixed: MixedStepGraphs | None = None
-        if self.eager_reason is None if config.mixed_graphs is None else config.mixed_graphs:
+        mixed_graphs = self.eager_reason is None if config.mixed_graphs is None else config.mixed_graphs
+        if mixed_graphs:
             self.mixed = MixedStepGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
                                          self.worst_step_tokens(config), config.max_num_seqs,
                                          capture=self.eager_reason is None)

@@ -137,7 +137,12 @@ class MixedGraphForward(PagedAttentionForward):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not isinstance(self.backend, TritonBackend):
-            return super().attend(layer_idx, q, k, v)
+            # The padded tokens past the last chunk belong to no request, so the backend computes nothing for
+            # them: their output would be uninitialized (NaN, perhaps), become the K/V they write to the dummy
+            # block, and poison a later masked read of it (0 x NaN is NaN). Zero it, from the device offsets.
+            out = super().attend(layer_idx, q, k, v)
+            padded = torch.arange(q.shape[0], device=q.device) >= self.meta.cu_q_lens[-1]
+            return out.masked_fill(padded[:, None, None], 0.0)
         from step12_cuda_graph.prefill_tiles import paged_prefill_tiles  # Triton is optional
 
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
@@ -164,7 +169,9 @@ class MixedStepGraphs:
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.capture_seconds, self.capture_bytes = 0.0, 0
         self.host_meta: tuple[list[int], list[int]] | None = None  # for an eager run on a backend that needs it
-        if capture:
+        # Only the Triton backend's prefill reads every length from the device; another backend's reads host
+        # figures a graph would freeze, so its mixed steps run on the same buffers, eagerly.
+        if capture and isinstance(backend, TritonBackend):
             self.capture_all()
 
     def fits(self, num_tokens: int, num_rows: int) -> bool:

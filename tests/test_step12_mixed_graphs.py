@@ -6,14 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.config import tiny_config
 from common.loading import LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
 from common.reference import hf_model_for, reference_greedy
 from common.sampling import SamplingParams
+from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionMetadata, TorchBackend
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
-from step12_cuda_graph.mixed_graphs import (TILE_ROWS, MixedChunk, StaticMixedInputs, max_tiles, mixed_row_buckets,
-                                            mixed_token_buckets)
+from step12_cuda_graph.mixed_graphs import (TILE_ROWS, MixedChunk, MixedGraphForward, StaticMixedInputs, max_tiles,
+                                            mixed_row_buckets, mixed_token_buckets)
 from tests.conftest import in_vocab, tiny_with_small_vocab
 from tests.test_step06 import needs_triton
 from tests.test_step09_chunked_prefill import LONG_PROMPT, CheckedRun
@@ -77,17 +79,32 @@ def test_tile_kernel_matches_step06_prefill() -> None:
     assert torch.equal(out[sum(new) :], torch.zeros_like(out[sum(new) :]))
 
 
-def test_padded_tokens_attend_to_nothing_on_the_torch_backend() -> None:
-    """A mixed step's padded tokens belong to no request: the reference backend leaves their output at zero
-    (uninitialized, it could be NaN, written to the dummy block as K/V, and summed by a later masked read)."""
+class UninitializedPaddingBackend(TorchBackend):
+    """The torch backend, with the output of tokens past every request's set to NaN: what uninitialized
+    memory may hold there, since no request's attention writes it."""
+
+    def prefill(self, q, k_cache, v_cache, meta):  # noqa: ANN001, ANN201
+        out = super().prefill(q, k_cache, v_cache, meta)
+        out[sum(meta.q_lens) :] = float("nan")
+        return out
+
+
+def test_padded_tokens_attend_to_nothing_on_other_backends() -> None:
+    """A mixed step's padded tokens belong to no request: whatever a backend leaves in their output, the mixed
+    forward hands on zeros (NaN would be written to the dummy block as K/V, and summed by a later masked read)."""
     torch.manual_seed(0)
-    k_cache = torch.randn(4, 4, 2, 16)
-    v_cache = torch.randn_like(k_cache)
-    q = torch.randn(5 + 3, 6, 16)  # one request's 5 new tokens, then 3 padded ones
-    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(8), block_table=torch.tensor([[0, 1]]),
-                             seq_lens=torch.tensor([5]), cu_q_lens=torch.tensor([0, 5]), q_lens=[5],
-                             seq_lens_host=[5], max_q_len=8, max_seq_len=5, block_size=4)
-    out = TorchBackend().prefill(q, k_cache, v_cache, meta)
+    config = tiny_config("llama")
+    cache = PagedKVCache(config, num_blocks=4, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    shape = (5 + 3, config.num_heads, config.head_dim)  # one request's 5 new tokens, then 3 padded ones
+    q, k = torch.randn(shape), torch.randn(8, config.num_kv_heads, config.head_dim)
+    v = torch.randn_like(k)
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.tensor([0, 1, 2, 3, 4, 12, 12, 12]),
+                             block_table=torch.tensor([[0, 1]]), seq_lens=torch.tensor([5]),
+                             cu_q_lens=torch.tensor([0, 5]), q_lens=[5], seq_lens_host=[5], max_q_len=8,
+                             max_seq_len=5, block_size=4)
+    forward = MixedGraphForward(cache, UninitializedPaddingBackend(), meta, torch.arange(8), torch.zeros(0),
+                                torch.zeros(0))
+    out = forward.attend(0, q, k, v)
     assert torch.isfinite(out[:5]).all() and torch.equal(out[5:], torch.zeros_like(out[5:]))
 
 
