@@ -63,6 +63,7 @@ class EngineConfig:
 
 class Engine(ABC):
     config_class: type[EngineConfig] = EngineConfig
+    request_class: type[Request] = Request  # a step that keeps more about a request names its subclass here
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.config = config
@@ -105,7 +106,7 @@ class Engine(ABC):
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request.create(
+        request = self.request_class.create(
             request_id, prompt_ids, params, self.tokenizer, self.eos_token_ids, self.max_model_len, priority
         )
         self.check_request(request)

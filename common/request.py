@@ -50,8 +50,11 @@ class Completion:
     finish_reason: FinishReason
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared and hashed by identity, so it can key a set
 class Request:
+    """Everything the engine keeps about one request. A step that keeps more (its KV blocks, how much of it is
+    computed) declares a subclass with those fields in its own folder, and names it as its `request_class`."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams

@@ -44,6 +44,8 @@ STEPS: tuple[Step, ...] = (
          "step12_cuda_graph.engine:CudaGraphEngine"),
     Step("step13_fused_decode", "fewer, larger kernels: packed projections, fused element-wise chains, own matmul, PDL",
          "step13_fused_decode.engine:FusedDecodeEngine"),
+    Step("step14_overlap_scheduling", "the host's work for the next decode step hidden behind the GPU's current one",
+         "step14_overlap_scheduling.engine:OverlapSchedulingEngine"),
 )
 STEP_NAMES: tuple[str, ...] = tuple(step.name for step in STEPS)
 

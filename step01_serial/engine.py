@@ -8,6 +8,8 @@ That is the baseline the later steps improve on, and the reference they must mat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from common.engine import Engine
@@ -15,10 +17,16 @@ from common.request import Request, RequestOutput, RequestStatus
 from step01_serial.kv_cache import ContiguousForward, ContiguousKVCache
 
 
+@dataclass(eq=False)
+class SerialRequest(Request):
+    cache: ContiguousKVCache | None = None  # its own KV cache, from its prefill on
+
+
 class SerialEngine(Engine):
+    request_class = SerialRequest
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.caches: dict[str, ContiguousKVCache] = {}
         self.kv_tokens_reserved = 0  # over all finished requests: room set aside...
         self.kv_tokens_used = 0  # ...and room actually filled
 
@@ -36,18 +44,17 @@ class SerialEngine(Engine):
                 outputs += self.decode(request)
         return outputs
 
-    def prefill(self, request: Request) -> list[RequestOutput]:
+    def prefill(self, request: SerialRequest) -> list[RequestOutput]:
         # Reserve the request's whole future up front: prompt plus every token it may generate.
-        cache = ContiguousKVCache(self.model.config, request.max_total_tokens, self.device, self.model.dtype)
-        self.caches[request.request_id] = cache
+        request.cache = ContiguousKVCache(self.model.config, request.max_total_tokens, self.device, self.model.dtype)
         return self.run_forward(request, request.prompt_token_ids)
 
-    def decode(self, request: Request) -> list[RequestOutput]:
+    def decode(self, request: SerialRequest) -> list[RequestOutput]:
         return self.run_forward(request, request.output_token_ids[-1:])
 
     @torch.inference_mode()
-    def run_forward(self, request: Request, token_ids: list[int]) -> list[RequestOutput]:
-        cache = self.caches[request.request_id]
+    def run_forward(self, request: SerialRequest, token_ids: list[int]) -> list[RequestOutput]:
+        cache = request.cache
         ctx = ContiguousForward(cache, cache.length, len(token_ids), self.device)
         input_ids = torch.tensor(token_ids, device=self.device)
         hidden = self.model(input_ids, ctx)
@@ -55,11 +62,11 @@ class SerialEngine(Engine):
         logits = self.model.compute_logits(hidden[-1:])
         return self.process_tokens([request], self.sample(logits, [request]))
 
-    def free_request(self, request: Request) -> None:
-        cache = self.caches.pop(request.request_id, None)
-        if cache is not None:
-            self.kv_tokens_reserved += cache.capacity
-            self.kv_tokens_used += cache.length
+    def free_request(self, request: SerialRequest) -> None:
+        if request.cache is not None:
+            self.kv_tokens_reserved += request.cache.capacity
+            self.kv_tokens_used += request.cache.length
+            request.cache = None
 
     def memory_report(self) -> str:
         if not self.kv_tokens_reserved:

@@ -15,7 +15,7 @@ the pool empty, and nothing has to be preempted. Step 07 admits optimistically a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,25 +34,31 @@ class PagedEngineConfig(EngineConfig):
     kv_memory_gb: float | None = None  # default: 90% of free GPU memory after the weights; 1 GB on CPU
 
 
+@dataclass(eq=False)
+class PagedRequest(Request):
+    block_table: list[int] = field(default_factory=list)  # its logical blocks -> physical blocks of the pool
+
+
 class PagedEngine(Engine):
     config_class = PagedEngineConfig
+    request_class = PagedRequest
     # The contexts a forward runs with: step03 swaps in vectorized ones, and nothing else.
     prefill_context = PagedPrefillForward
     decode_context = PagedDecodeForward
-    # Blocks of the pool kept out of the allocator for the engine's own use (step 12 keeps one for padding).
-    reserved_blocks = 0
 
     def __init__(self, loaded: LoadedModel, config: PagedEngineConfig) -> None:
         super().__init__(loaded, config)
         if config.block_size < 1:
             raise ValueError(f"--block-size must be at least 1, got {config.block_size}")
         num_blocks = config.num_blocks or self.blocks_in_budget(config)
-        self.cache = PagedKVCache(self.model.config, num_blocks + self.reserved_blocks, config.block_size,
-                                  self.device, self.model.dtype)
-        self.allocator = BlockAllocator(num_blocks)  # hands out blocks 0 .. num_blocks - 1 only
-        self.block_tables: dict[str, list[int]] = {}
+        self.cache = self.create_cache(num_blocks)
+        self.allocator = BlockAllocator(num_blocks)  # hands out blocks 0 .. num_blocks - 1
         self.peak_blocks_used = 0
         self.scattered_example: tuple[str, list[int], int] | None = None  # a table worth printing, see below
+
+    def create_cache(self, num_blocks: int) -> PagedKVCache:
+        """The pool of `num_blocks` blocks (a method: a later step may shape its pool differently)."""
+        return PagedKVCache(self.model.config, num_blocks, self.config.block_size, self.device, self.model.dtype)
 
     def blocks_in_budget(self, config: PagedEngineConfig) -> int:
         per_block = PagedKVCache.bytes_per_block(self.model.config, config.block_size, self.model.dtype)
@@ -112,17 +118,16 @@ class PagedEngine(Engine):
     # ----- running the model ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, request: Request) -> list[RequestOutput]:
+    def prefill(self, request: PagedRequest) -> list[RequestOutput]:
         token_ids = request.all_token_ids  # nothing of this request is cached yet
-        table = self.allocator.allocate(self.cache.blocks_for(len(token_ids)))
-        self.block_tables[request.request_id] = table
-        ctx = self.prefill_context(self.cache, table, len(token_ids), self.device)
+        request.block_table = self.allocator.allocate(self.cache.blocks_for(len(token_ids)))
+        ctx = self.prefill_context(self.cache, request.block_table, len(token_ids), self.device)
         hidden = self.model(torch.tensor(token_ids, device=self.device), ctx)
         logits = self.model.compute_logits(hidden[-1:])
         return self.process_tokens([request], self.sample(logits, [request]))
 
     @torch.inference_mode()
-    def decode(self, requests: list[Request]) -> list[RequestOutput]:
+    def decode(self, requests: list[PagedRequest]) -> list[RequestOutput]:
         seq_lens = self.grow_block_tables(requests)
         ctx = self.make_decode_context(requests, seq_lens)
         input_ids = torch.tensor([r.output_token_ids[-1] for r in requests], device=self.device)
@@ -130,7 +135,7 @@ class PagedEngine(Engine):
         logits = self.model.compute_logits(hidden)
         return self.process_tokens(requests, self.sample(logits, requests))
 
-    def grow_block_tables(self, requests: list[Request]) -> list[int]:
+    def grow_block_tables(self, requests: list[PagedRequest]) -> list[int]:
         """Give each request a new block if its next token starts one; return the lengths after this step."""
         seq_lens = []
         for request in requests:
@@ -139,23 +144,23 @@ class PagedEngine(Engine):
             seq_lens.append(length)
         return seq_lens
 
-    def needs_new_block(self, request: Request, length: int) -> bool:
+    def needs_new_block(self, request: PagedRequest, length: int) -> bool:
         """Whether holding `length` tokens takes the request into a block its table does not have yet."""
-        return self.cache.blocks_for(length) > len(self.block_tables[request.request_id])
+        return self.cache.blocks_for(length) > len(request.block_table)
 
-    def grow_block_table(self, request: Request, length: int) -> None:
+    def grow_block_table(self, request: PagedRequest, length: int) -> None:
         if self.needs_new_block(request, length):
-            self.block_tables[request.request_id] += self.allocator.allocate(1)  # crossing into a new block
+            request.block_table += self.allocator.allocate(1)  # crossing into a new block
 
-    def make_decode_context(self, requests: list[Request], seq_lens: list[int]) -> ForwardContext:
-        tables = [self.block_tables[r.request_id] for r in requests]
+    def make_decode_context(self, requests: list[PagedRequest], seq_lens: list[int]) -> ForwardContext:
+        tables = [r.block_table for r in requests]
         return self.decode_context(self.cache, tables, seq_lens, self.device)
 
-    def free_request(self, request: Request) -> None:
-        table = self.block_tables.pop(request.request_id, None)
-        if table is not None:
+    def free_request(self, request: PagedRequest) -> None:
+        table, request.block_table = request.block_table, []
+        if table:
             if self.scattered_example is None and any(b != a + 1 for a, b in zip(table, table[1:])):
-                self.scattered_example = (request.request_id, list(table), request.num_tokens - 1)
+                self.scattered_example = (request.request_id, table, request.num_tokens - 1)
             self.allocator.free(table)
 
     def describe_block_table(self, request_id: str, table: list[int], num_tokens: int) -> str:

@@ -42,6 +42,16 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str
+    # What the backend can do, declared so that a later step asks rather than checks which backend it is:
+    # whether `decode` (or `prefill`) reads every length from device memory, sizing its launch from no host
+    # figure but `num_splits`, so that a CUDA graph can record it once and replay it for any batch.
+    capturable_decode: bool = False
+    capturable_prefill: bool = False
+
+    @classmethod
+    def for_engine(cls, device: torch.device, block_size: int, max_batch: int) -> AttentionBackend:
+        """The backend an engine runs on `device`, for its block size and its largest batch."""
+        return cls()
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:
@@ -110,17 +120,24 @@ class TritonBackend(AttentionBackend):
     """Our kernels: no gather, no dense copy; K/V read through the block table inside the kernel."""
 
     name = "triton"
+    capturable_decode = True
 
-    def __init__(self, num_sms: int) -> None:
+    @classmethod
+    def for_engine(cls, device: torch.device, block_size: int, max_batch: int) -> TritonBackend:
+        require_triton_device(device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        return cls(sms, max_batch)
+
+    def __init__(self, num_sms: int, max_batch: int = 256) -> None:
         from step06_paged_attention import triton_kernels
 
         self.kernels = triton_kernels.PagedAttentionKernels()
         self.paged_prefill = triton_kernels.paged_prefill
         self.num_sms = num_sms
-        # Where the decode kernel's splits count in; every call leaves them at zeros, so they are kept, not
-        # zeroed per call (a decode graph then records no extra kernel for them). A larger batch gets a new
-        # buffer, but the old ones stay alive: a captured graph may still write to them.
-        self.arrived_buffers: list[torch.Tensor] = []
+        self.max_batch = max_batch  # the most requests one decode call will hold
+        # Where the decode kernel's splits count in, one counter per (request, KV head). Every call leaves them
+        # at zeros, so one buffer, made once for the largest batch, serves every call without being zeroed.
+        self.arrived: torch.Tensor | None = None
 
     def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
         """Split long sequences when batch x KV heads alone would leave most of the GPU idle. Fill one wave
@@ -140,10 +157,11 @@ class TritonBackend(AttentionBackend):
     def decode(self, q, k_cache, v_cache, meta):
         batch, kv_heads = q.shape[0], k_cache.shape[2]
         splits = self.num_splits(batch, kv_heads, meta.max_seq_len)
-        if not self.arrived_buffers or self.arrived_buffers[-1].numel() < batch * kv_heads:
-            self.arrived_buffers.append(torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device))
+        if self.arrived is None or self.arrived.numel() < batch * kv_heads:
+            rows = max(batch, self.max_batch) * kv_heads
+            self.arrived = torch.zeros(rows, dtype=torch.int32, device=q.device)
         return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, num_splits=splits,
-                                         arrived=self.arrived_buffers[-1])
+                                         arrived=self.arrived)
 
     def prefill(self, q, k_cache, v_cache, meta):
         return self.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens,
@@ -154,6 +172,11 @@ class FlashAttnBackend(AttentionBackend):
     """flash-attn's paged kernels (`flash_attn_with_kvcache`, `flash_attn_varlen_func` with a block table)."""
 
     name = "flash_attn"
+    capturable_decode = True
+
+    @classmethod
+    def for_engine(cls, device: torch.device, block_size: int, max_batch: int) -> FlashAttnBackend:
+        return cls(block_size)
 
     def __init__(self, block_size: int) -> None:
         if block_size % 256:
@@ -175,7 +198,9 @@ class FlashAttnBackend(AttentionBackend):
                                               meta.max_seq_len, causal=True, block_table=meta.block_table)
 
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "triton": TritonBackend,
+                                               "flash_attn": FlashAttnBackend}
+ATTENTION_BACKENDS = ("auto", *BACKENDS)
 
 
 def require_triton_device(device: torch.device) -> None:
@@ -185,7 +210,10 @@ def require_triton_device(device: torch.device) -> None:
                          "(slow, for checking), or use a CUDA device")
 
 
-def create_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+def create_backend(name: str, device: torch.device, block_size: int, max_batch: int = 256,
+                   classes: dict[str, type[AttentionBackend]] = BACKENDS) -> AttentionBackend:
+    """The backend `name` (or the one `auto` picks), made from `classes`: a later step passes its own
+    subclasses there."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}")
     on_cuda = device.type == "cuda"
@@ -196,14 +224,8 @@ def create_backend(name: str, device: torch.device, block_size: int) -> Attentio
             name = "triton"
         else:
             name = "torch"
-    if name == "torch":
-        return TorchBackend()
-    if name == "triton":
-        if importlib.util.find_spec("triton") is None:
-            raise ValueError("--attn triton needs the triton package (Linux x86-64): pip install triton")
-        require_triton_device(device)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if on_cuda else 1
-        return TritonBackend(sms)
-    if not on_cuda or importlib.util.find_spec("flash_attn") is None:
+    if name == "triton" and importlib.util.find_spec("triton") is None:
+        raise ValueError("--attn triton needs the triton package (Linux x86-64): pip install triton")
+    if name == "flash_attn" and (not on_cuda or importlib.util.find_spec("flash_attn") is None):
         raise ValueError("--attn flash_attn needs a CUDA device and the flash-attn package (pip install flash-attn)")
-    return FlashAttnBackend(block_size)
+    return classes[name].for_engine(device, block_size, max_batch)

@@ -17,10 +17,10 @@ import torch
 
 from common.loading import LoadedModel
 from common.model import ForwardContext
-from common.request import Request, RequestOutput
-from step02_paged_kv.engine import PagedEngine, PagedEngineConfig
+from common.request import RequestOutput
+from step02_paged_kv.engine import PagedEngine, PagedEngineConfig, PagedRequest
 from step02_paged_kv.kv_cache import PagedKVCache
-from step06_paged_attention.backends import AttentionBackend, AttentionMetadata, create_backend
+from step06_paged_attention.backends import BACKENDS, AttentionBackend, AttentionMetadata, create_backend
 
 
 @dataclass
@@ -57,13 +57,18 @@ class PagedAttentionEngine(PagedEngine):
 
     def __init__(self, loaded: LoadedModel, config: PagedAttentionEngineConfig) -> None:
         super().__init__(loaded, config)
-        self.backend = create_backend(config.attn, self.device, config.block_size)
+        self.backend = create_backend(config.attn, self.device, config.block_size, config.max_num_seqs,
+                                      self.backend_classes(config))
 
-    def build_metadata(self, requests: list[Request], q_lens: list[int], seq_lens: list[int],
+    def backend_classes(self, config: PagedAttentionEngineConfig) -> dict[str, type[AttentionBackend]]:
+        """The backend class of each --attn name (a method: a later step maps a name to its own subclass)."""
+        return BACKENDS
+
+    def build_metadata(self, requests: list[PagedRequest], q_lens: list[int], seq_lens: list[int],
                        is_prefill: bool) -> tuple[AttentionMetadata, torch.Tensor]:
         """Everything the layers need, as tensors built in one go; returns it with the token positions."""
         device, size = self.device, self.cache.block_size
-        tables = [self.block_tables[r.request_id] for r in requests]
+        tables = [r.block_table for r in requests]
         width = max(len(t) for t in tables)
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
         q_lens_t = torch.tensor(q_lens, device=device)
@@ -85,25 +90,25 @@ class PagedAttentionEngine(PagedEngine):
     def context(self, meta: AttentionMetadata, positions: torch.Tensor) -> PagedAttentionForward:
         return PagedAttentionForward(self.cache, self.backend, meta, positions, self.config.sync_per_layer)
 
-    def make_decode_context(self, requests: list[Request], seq_lens: list[int]) -> ForwardContext:
+    def make_decode_context(self, requests: list[PagedRequest], seq_lens: list[int]) -> ForwardContext:
         meta, positions = self.build_metadata(requests, [1] * len(requests), seq_lens, is_prefill=False)
         return self.context(meta, positions)
 
-    def prefill_admitted(self, requests: list[Request]) -> list[RequestOutput]:
+    def prefill_admitted(self, requests: list[PagedRequest]) -> list[RequestOutput]:
         if not self.config.batched_prefill:
             return [output for request in requests for output in self.prefill_together([request])]
         return self.prefill_together(requests)
 
     @torch.inference_mode()
-    def prefill_together(self, requests: list[Request]) -> list[RequestOutput]:
+    def prefill_together(self, requests: list[PagedRequest]) -> list[RequestOutput]:
         """One forward for all `requests`' prompts, laid end to end."""
         if not requests:
             return []
         token_ids = [r.all_token_ids for r in requests]  # nothing of these requests is cached yet
         lens = [len(t) for t in token_ids]
         for request, n in zip(requests, lens):
-            if request.request_id not in self.block_tables:  # a scheduler may have allocated them already
-                self.block_tables[request.request_id] = self.allocator.allocate(self.cache.blocks_for(n))
+            if not request.block_table:  # a scheduler may have allocated them already
+                request.block_table = self.allocator.allocate(self.cache.blocks_for(n))
         meta, positions = self.build_metadata(requests, lens, lens, is_prefill=True)
         flat = torch.tensor([t for ids in token_ids for t in ids], device=self.device)
         hidden = self.model(flat, self.context(meta, positions))

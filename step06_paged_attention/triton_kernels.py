@@ -23,7 +23,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _write_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS, stride_k_t, stride_v_t, stride_slot,
+def kv_write_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS, stride_k_t, stride_v_t, stride_slot,
                      ROW: tl.constexpr, ROW_PAD: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(SLOTS + t).to(tl.int64)
@@ -82,7 +82,7 @@ MERGE_IN_KERNEL_MAX_SPLITS = 8  # more splits than this are merged by a kernel o
 
 
 @triton.jit
-def _paged_decode_split_kernel(
+def paged_decode_split_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L, ARRIVED, OUT, scale,
     stride_qb, stride_qh, stride_bt, stride_slot, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
     NUM_SPLITS: tl.constexpr, MERGE_HERE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -149,7 +149,7 @@ def _paged_decode_split_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
+def merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -171,9 +171,9 @@ class PagedAttentionKernels:
     """The launches of the kernels above: grids, strides and scratch buffers. The kernels are class attributes,
     so that launching the same kernel bodies another way is a subclass, not a copy of these launches."""
 
-    write_kv_kernel = _write_kv_kernel
-    decode_kernel = _paged_decode_split_kernel
-    merge_kernel = _merge_splits_kernel
+    write_kv_kernel = kv_write_kernel
+    decode_kernel = paged_decode_split_kernel
+    merge_kernel = merge_splits_kernel
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -247,7 +247,7 @@ def _attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, start,
 
 
 @triton.jit
-def _prefill_tile(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale, b, m_tile, h,
+def prefill_tile(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale, b, m_tile, h,
                   stride_qt, stride_qh, stride_bt, stride_slot, stride_ot, stride_oh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                   TILE: tl.constexpr, PRECISION: tl.constexpr):
@@ -289,7 +289,7 @@ def _paged_prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    _prefill_tile(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale,
+    prefill_tile(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale,
                   tl.program_id(0), tl.program_id(1), tl.program_id(2),
                   stride_qt, stride_qh, stride_bt, stride_slot, stride_ot, stride_oh,
                   GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, TILE, PRECISION)

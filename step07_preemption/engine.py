@@ -23,7 +23,8 @@ import itertools
 from dataclasses import dataclass
 
 from common.loading import LoadedModel
-from common.request import Request, RequestOutput, RequestStatus
+from common.request import RequestOutput, RequestStatus
+from step02_paged_kv.engine import PagedRequest
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
 from step07_preemption.swap import HostKV, Swapper
 
@@ -36,24 +37,29 @@ class PreemptionEngineConfig(PagedAttentionEngineConfig):
     swap_per_block: bool = False  # ablation: swap with one small copy per block and layer
 
 
+@dataclass(eq=False)
+class PreemptibleRequest(PagedRequest):
+    host_kv: HostKV | None = None  # its K/V while swapped out
+    admitted_at: int = -1  # when it was (last) admitted, counted in admissions: the newest is the first victim
+
+
 class PreemptionEngine(PagedAttentionEngine):
     config_class = PreemptionEngineConfig
+    request_class = PreemptibleRequest
 
     def __init__(self, loaded: LoadedModel, config: PreemptionEngineConfig) -> None:
         if config.preempt not in PREEMPT_MODES:
             raise ValueError(f"--preempt must be one of {', '.join(PREEMPT_MODES)}, got {config.preempt!r}")
         super().__init__(loaded, config)
         self.swapper = Swapper(self.cache, per_block=config.swap_per_block)
-        self.swapped: list[Request] = []
-        self.host_kv: dict[str, HostKV] = {}
-        self.admitted_at: dict[str, int] = {}  # when each running request was (last) admitted
+        self.swapped: list[PreemptibleRequest] = []
         self._admissions = itertools.count()
-        self._not_prefilled: set[str] = set()  # admitted during the scheduling now in progress
+        self._not_prefilled: set[PreemptibleRequest] = set()  # admitted during the scheduling now in progress
         self.preemptions = 0
         self.unadmissions = 0
 
     @staticmethod
-    def importance(request: Request) -> tuple[int, float]:
+    def importance(request: PreemptibleRequest) -> tuple[int, float]:
         """Sort key, most important first: smaller priority value, then earlier arrival."""
         return request.priority, request.arrival_time
 
@@ -67,7 +73,7 @@ class PreemptionEngine(PagedAttentionEngine):
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
         return outputs
 
-    def schedule(self) -> tuple[list[Request], list[Request]]:
+    def schedule(self) -> tuple[list[PreemptibleRequest], list[PreemptibleRequest]]:
         """Decide this step's work and give it its blocks, preempting where needed. Returns the requests
         to prefill and those to decode; every block either needs is allocated when this returns."""
         decoding = list(self.running)
@@ -82,26 +88,26 @@ class PreemptionEngine(PagedAttentionEngine):
         still_running = [r for r in admitted if r.status is RequestStatus.RUNNING]
         return still_running, [r for r in decoding if r.status is RequestStatus.RUNNING]
 
-    def swap_in(self, decoding: list[Request]) -> tuple[int, float] | None:
+    def swap_in(self, decoding: list[PreemptibleRequest]) -> tuple[int, float] | None:
         """Bring swapped requests back, most important first, while their blocks fit. Returns the
         importance of the first one that did not fit: no less important request may be admitted before it."""
         for request in sorted(self.swapped, key=self.importance):
-            host = self.host_kv[request.request_id]
+            host = request.host_kv
             # Room for its blocks, and for the new block any decoding request (itself included) starts this
             # step: otherwise it would be the newest admission, the first victim, and go straight back out.
             starts_block = self.cache.blocks_for(request.num_tokens) > host.num_blocks
             need = host.num_blocks + starts_block + self.new_blocks_this_step(decoding)
             if self.allocator.num_free < need or len(self.running) >= self.config.max_num_seqs:
                 return self.importance(request)
-            table = self.allocator.allocate(host.num_blocks)
-            self.swapper.swap_in(self.host_kv.pop(request.request_id), table)
-            self.block_tables[request.request_id] = table
+            request.block_table = self.allocator.allocate(host.num_blocks)
+            self.swapper.swap_in(host, request.block_table)
+            request.host_kv = None
             self.swapped.remove(request)
             self.mark_running(request)
             decoding.append(request)
         return None
 
-    def admit_waiting(self, blocked: tuple[int, float] | None) -> list[Request]:
+    def admit_waiting(self, blocked: tuple[int, float] | None) -> list[PreemptibleRequest]:
         admitted = []
         for request in sorted(self.waiting, key=self.importance):
             if blocked is not None and self.importance(request) > blocked:
@@ -116,18 +122,18 @@ class PreemptionEngine(PagedAttentionEngine):
                 self.preempt(victim)
             if self.allocator.num_free < need:
                 break  # first come, first served within a priority: nobody overtakes this request
-            self.block_tables[request.request_id] = self.allocator.allocate(need)
+            request.block_table = self.allocator.allocate(need)
             self.waiting.remove(request)
             self.mark_running(request)
-            self._not_prefilled.add(request.request_id)
+            self._not_prefilled.add(request)
             admitted.append(request)
         return admitted
 
-    def new_blocks_this_step(self, requests: list[Request]) -> int:
+    def new_blocks_this_step(self, requests: list[PreemptibleRequest]) -> int:
         """How many of these decoding requests cross into a new block with this step's token."""
         return sum(self.needs_new_block(r, r.num_tokens) for r in requests)
 
-    def reserve_next_block(self, request: Request) -> None:
+    def reserve_next_block(self, request: PreemptibleRequest) -> None:
         """A decoding request whose next token starts a new block gets one, preempting if the pool is empty
         (possibly the request itself, if it is the least important)."""
         if not self.needs_new_block(request, request.num_tokens):
@@ -140,35 +146,35 @@ class PreemptionEngine(PagedAttentionEngine):
                 return
         self.grow_block_table(request, request.num_tokens)
 
-    def mark_running(self, request: Request) -> None:
+    def mark_running(self, request: PreemptibleRequest) -> None:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self.admitted_at[request.request_id] = next(self._admissions)
+        request.admitted_at = next(self._admissions)
 
-    def pick_victim(self, less_important_than: Request | None = None) -> Request | None:
+    def pick_victim(self, less_important_than: PreemptibleRequest | None = None) -> PreemptibleRequest | None:
         candidates = self.running
         if less_important_than is not None:
             candidates = [r for r in candidates if r.priority > less_important_than.priority]
         if not candidates:
             return None
-        return max(candidates, key=lambda r: (r.priority, self.admitted_at[r.request_id]))
+        return max(candidates, key=lambda r: (r.priority, r.admitted_at))
 
-    def nothing_computed(self, request: Request) -> bool:
+    def nothing_computed(self, request: PreemptibleRequest) -> bool:
         """Whether a running request's blocks hold no computed K/V yet (admitted in this scheduling, not prefilled)."""
-        return request.request_id in self._not_prefilled
+        return request in self._not_prefilled
 
-    def preempt(self, victim: Request) -> None:
+    def preempt(self, victim: PreemptibleRequest) -> None:
         self.running.remove(victim)
-        table = self.block_tables.pop(victim.request_id)
+        table, victim.block_table = victim.block_table, []
         if self.nothing_computed(victim):
             # Admitted a moment ago and never prefilled: nothing was computed, so just put it back.
-            self._not_prefilled.discard(victim.request_id)
+            self._not_prefilled.discard(victim)
             self.unadmissions += 1
             victim.status = RequestStatus.WAITING
             self.waiting.append(victim)
         elif self.config.preempt == "swap":
             self.preemptions += 1
-            self.host_kv[victim.request_id] = self.swapper.swap_out(table)
+            victim.host_kv = self.swapper.swap_out(table)
             victim.status = RequestStatus.SWAPPED
             self.swapped.append(victim)
         else:
@@ -179,10 +185,9 @@ class PreemptionEngine(PagedAttentionEngine):
 
     # ----- cleanup ---------------------------------------------------------------------------
 
-    def free_request(self, request: Request) -> None:
+    def free_request(self, request: PreemptibleRequest) -> None:
         super().free_request(request)
-        self.host_kv.pop(request.request_id, None)
-        self.admitted_at.pop(request.request_id, None)
+        request.host_kv = None  # a swapped request's host copy
         if request in self.swapped:
             self.swapped.remove(request)
 

@@ -34,13 +34,13 @@ from step08_serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
-    _GenerationFields,
+    GenerationFields,
     error_body,
 )
 
 # One engine request's outputs, tagged with the index of the choice it produces.
 Streams = list[tuple[int, AsyncIterator[RequestOutput]]]
-Body = TypeVar("Body", bound=_GenerationFields)
+Body = TypeVar("Body", bound=GenerationFields)
 
 
 def create_app(async_engine: AsyncEngine, served_model: str, model_root: str, api_key: str | None = None) -> FastAPI:
@@ -151,7 +151,7 @@ class OpenAIServer:
             raise RequestError(f"{field}: {err}", field) from None
         return prompt_ids
 
-    def admit(self, body: _GenerationFields, prompts: list[list[int]], base_id: str) -> Streams:
+    def admit(self, body: GenerationFields, prompts: list[list[int]], base_id: str) -> Streams:
         """One engine request per prompt and choice (`n` of each). Nothing reaches the engine until a stream
         is first read; then `AsyncEngine.generate` registers its queue and only then adds the request."""
         streams = []
@@ -168,7 +168,7 @@ class OpenAIServer:
                                                                   body.priority)))
         return streams
 
-    async def respond(self, request: Request, body: _GenerationFields, prompts: list[list[int]],
+    async def respond(self, request: Request, body: GenerationFields, prompts: list[list[int]],
                       shape: ResponseShape) -> Response:
         """The end both endpoints share: an SSE stream, or every choice collected into one JSON body."""
         streams = self.admit(body, prompts, shape.id)
@@ -179,7 +179,7 @@ class OpenAIServer:
             return Response(status_code=499)
         return JSONResponse(shape.response(choices, usage(prompts, sum(len(c.token_ids) for c in choices))))
 
-    async def stream_response(self, request: Request, body: _GenerationFields, prompts: list[list[int]],
+    async def stream_response(self, request: Request, body: GenerationFields, prompts: list[list[int]],
                               streams: Streams, shape: ResponseShape) -> Response:
         """Wait for the first output before answering, so that a request the engine refuses still gets a
         plain HTTP error (and a client that leaves while queued is noticed); then every output is an event."""

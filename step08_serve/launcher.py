@@ -14,10 +14,10 @@ import uvicorn
 from fastapi import FastAPI
 
 # The server drives any step of common/steps.py (`--step`). The default is the most capable step for the
-# device: on a GPU, step 13 (graphs, fused decode); elsewhere step 10 (step 09's budget, and prefix caching),
-# whose eager path is what steps 12 and 13 run on a CPU anyway. Both bound each step by a token budget and
-# honour each request's `priority`.
-DEFAULT_STEP = {"cuda": "step13_fused_decode", "cpu": "step10_prefix_caching"}
+# device: on a GPU, step 14 (graphs, fused decode, the host overlapped); elsewhere step 10 (step 09's budget, and
+# prefix caching), whose eager path is what steps 12 to 14 run on a CPU anyway. Both bound each step by a token
+# budget and honour each request's `priority`.
+DEFAULT_STEP = {"cuda": "step14_overlap_scheduling", "cpu": "step10_prefix_caching"}
 
 
 def default_step(device: str) -> str:

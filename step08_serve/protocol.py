@@ -51,7 +51,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationFields(BaseModel):
+class GenerationFields(BaseModel):
     """Fields shared by chat completions and completions."""
 
     model_config = ConfigDict(extra="allow")
@@ -120,7 +120,7 @@ class _GenerationFields(BaseModel):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
 
-class ChatCompletionRequest(_GenerationFields):
+class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -130,7 +130,7 @@ class ChatCompletionRequest(_GenerationFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class CompletionRequest(_GenerationFields):
+class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False

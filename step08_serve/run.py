@@ -1,6 +1,6 @@
 """Step 08: an OpenAI-compatible streaming server over one shared engine step loop.
 
-Any step's engine serves (`--step`; default step13_fused_decode on a GPU, step10_prefix_caching elsewhere),
+Any step's engine serves (`--step`; default step14_overlap_scheduling on a GPU, step10_prefix_caching elsewhere),
 with that step's own flags (`--step step09_chunked_prefill --help` lists them: --attn, --preempt,
 --max-num-batched-tokens, ...).
 
@@ -8,7 +8,7 @@ Examples:
     .venv/bin/python step08_serve/run.py                               # the embedded model on http://127.0.0.1:8000
     .venv/bin/python step08_serve/run.py --dry-run                     # in-process server + the official openai SDK, tiny model
     .venv/bin/python step08_serve/run.py --model Qwen/Qwen2.5-7B-Instruct --device cuda --port 8000 --api-key secret
-    .venv/bin/python step08_serve/run.py --step step12_cuda_graph --device cuda --attn triton --no-overlap
+    .venv/bin/python step08_serve/run.py --step step14_overlap_scheduling --device cuda --no-overlap
     .venv/bin/python step08_serve/client_example.py                    # talk to a running server
 """
 

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 
 from common.loading import LoadedModel
 from common.model import CausalLM, ForwardContext
-from common.request import Request, RequestOutput, RequestStatus
+from common.request import RequestOutput, RequestStatus
 from common.sampling import SamplingParams
 from step02_paged_kv.kv_cache import PagedKVCache
-from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
+from step07_preemption.engine import PreemptibleRequest, PreemptionEngine, PreemptionEngineConfig
 
 # The default budget, when --max-num-batched-tokens is not given. A budget is there to bound a step's time,
 # and a token's time is mostly its matrix multiplies, 2 FLOPs per weight of the layers it passes through. On a
@@ -66,11 +66,16 @@ class ChunkedPrefillEngineConfig(PreemptionEngineConfig):
     max_num_batched_tokens: int | None = None  # tokens per step; None: `default_token_budget`
 
 
+@dataclass(eq=False)
+class ChunkedRequest(PreemptibleRequest):
+    num_computed: int = 0  # its first tokens whose K/V is in the cache (or will be, once the forward launched has run)
+
+
 @dataclass
 class Chunk:
     """Part of one request's tokens computed in this step: `num_tokens` of them from `start` on."""
 
-    request: Request
+    request: ChunkedRequest
     start: int
     num_tokens: int
 
@@ -101,15 +106,15 @@ class WorstStepForward(ForwardContext):
 
 class ChunkedPrefillEngine(PreemptionEngine):
     config_class = ChunkedPrefillEngineConfig
+    request_class = ChunkedRequest
 
     def __init__(self, loaded: LoadedModel, config: ChunkedPrefillEngineConfig) -> None:
         self.step_memory_bytes: int | None = None  # measured by `blocks_in_budget` on a GPU
         super().__init__(loaded, config)
         self.token_budget = self.budget_for(config)
-        self.num_computed: dict[str, int] = {}  # per running (or swapped) request: tokens whose K/V is cached
         self.prefill_chunks = 0  # chunks that did not reach the end of their prompt
         self.mixed_steps = 0  # steps that ran decoders and prefill chunks in one forward
-        self.preempted_this_step: set[str] = set()  # sit out the rest of the step (see `schedule`)
+        self.preempted_this_step: set[ChunkedRequest] = set()  # sit out the rest of the step (see `schedule`)
         print(f"[{type(self).__name__}] {self.describe_budget()}", flush=True)  # said at start-up
 
     def budget_for(self, config: ChunkedPrefillEngineConfig) -> int:
@@ -165,9 +170,9 @@ class ChunkedPrefillEngine(PreemptionEngine):
 
     # ----- scheduling ------------------------------------------------------------------------------------
 
-    def is_decoding(self, request: Request) -> bool:
+    def is_decoding(self, request: ChunkedRequest) -> bool:
         """A running request whose only token not yet in the cache is the one it generated last."""
-        return bool(request.output_token_ids) and request.num_tokens - self.num_computed[request.request_id] <= 1
+        return bool(request.output_token_ids) and request.num_tokens - request.num_computed <= 1
 
     def prefill_pending(self) -> bool:
         """Whether a step may have prefill work: a request waits, or one is mid-prefill."""
@@ -187,7 +192,7 @@ class ChunkedPrefillEngine(PreemptionEngine):
         self.peak_blocks_used = max(self.peak_blocks_used, self.allocator.num_used)
         return outputs
 
-    def schedule(self) -> tuple[list[Request], list[Chunk]]:
+    def schedule(self) -> tuple[list[ChunkedRequest], list[Chunk]]:
         """This step's decoders and prefill chunks, each with the blocks it needs, preempting where needed."""
         self.preempted_this_step = set()
         blocked = self.swap_in([r for r in self.running if self.is_decoding(r)])
@@ -203,7 +208,7 @@ class ChunkedPrefillEngine(PreemptionEngine):
         for request in sorted(candidates, key=self.importance):
             if budget <= 0:
                 break
-            if request.request_id in self.preempted_this_step:
+            if request in self.preempted_this_step:
                 # Admitted again now, it would take back the blocks it just gave up, and lose them again at
                 # the next block that the request which preempted it needs.
                 continue
@@ -221,19 +226,19 @@ class ChunkedPrefillEngine(PreemptionEngine):
         still_running = [r for r in decoders if r.status is RequestStatus.RUNNING]
         return still_running, [c for c in chunks if c.request.status is RequestStatus.RUNNING]
 
-    def may_admit(self, request: Request, blocked: tuple[int, float] | None) -> bool:
+    def may_admit(self, request: ChunkedRequest, blocked: tuple[int, float] | None) -> bool:
         """A free place among the running requests, and no more important swapped request waiting for blocks."""
         return len(self.running) < self.config.max_num_seqs and (blocked is None or self.importance(request) <= blocked)
 
-    def reserve_chunk(self, request: Request, budget: int) -> Chunk | None:
+    def reserve_chunk(self, request: ChunkedRequest, budget: int) -> Chunk | None:
         """The request's next chunk, of at most `budget` tokens from its first one not computed, with the
         blocks it needs, preempting less important requests if the pool is short; a waiting request is
         admitted with it. The chunk is shorter if the pool cannot hold it all; None if it can hold none of it
         (then nothing changed for this request)."""
         admitted = request.status is RequestStatus.RUNNING
-        start = self.num_computed.get(request.request_id, 0)
+        start = request.num_computed
         num_tokens = min(budget, request.num_tokens - start)
-        table = self.block_tables.get(request.request_id, [])
+        table = request.block_table
         size = self.cache.block_size
         while self.allocator.num_free < self.cache.blocks_for(start + num_tokens) - len(table):
             # A running request may take blocks from anyone less important or admitted later (as step 07's
@@ -245,27 +250,25 @@ class ChunkedPrefillEngine(PreemptionEngine):
         room = min(num_tokens, (len(table) + self.allocator.num_free) * size - start)
         if room <= 0:
             return None
-        new_blocks = self.allocator.allocate(self.cache.blocks_for(start + room) - len(table))
-        self.block_tables[request.request_id] = table + new_blocks
+        request.block_table = table + self.allocator.allocate(self.cache.blocks_for(start + room) - len(table))
         if not admitted:
-            self.num_computed[request.request_id] = start
             self.waiting.remove(request)
             self.mark_running(request)
         return Chunk(request, start, room)
 
-    def mark_computed(self, request: Request, end: int) -> None:
+    def mark_computed(self, request: ChunkedRequest, end: int) -> None:
         """The request's first `end` tokens have their K/V in the cache (or will have, once the forward just
         launched has run: a later forward reads them after it)."""
-        self.num_computed[request.request_id] = end
+        request.num_computed = end
 
-    def nothing_computed(self, request: Request) -> bool:
-        return self.num_computed.get(request.request_id, 0) == 0
+    def nothing_computed(self, request: ChunkedRequest) -> bool:
+        return request.num_computed == 0
 
-    def preempt(self, victim: Request) -> None:
+    def preempt(self, victim: ChunkedRequest) -> None:
         super().preempt(victim)
-        self.preempted_this_step.add(victim.request_id)
+        self.preempted_this_step.add(victim)
         if victim.status is RequestStatus.WAITING:
-            del self.num_computed[victim.request_id]  # recomputed from its first token when admitted again
+            victim.num_computed = 0  # recomputed from its first token when admitted again
 
     # ----- running the model -----------------------------------------------------------------------------
 
@@ -302,16 +305,11 @@ class ChunkedPrefillEngine(PreemptionEngine):
         prompt, generated = chunk.request.prompt_token_ids, chunk.request.output_token_ids
         return prompt[chunk.start : chunk.end] + generated[max(0, chunk.start - len(prompt)) : max(0, chunk.end - len(prompt))]
 
-    # ----- cleanup and reports ---------------------------------------------------------------------------
-
-    def free_request(self, request: Request) -> None:
-        super().free_request(request)
-        self.num_computed.pop(request.request_id, None)
+    # ----- reports ---------------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
         # Read by step 08's /metrics while a step may be scheduling: nothing here may assume a finished schedule.
-        prefilling = sum(r.num_tokens - self.num_computed.get(r.request_id, 0) > 1 or not r.output_token_ids
-                         for r in list(self.running))
+        prefilling = sum(r.num_tokens - r.num_computed > 1 or not r.output_token_ids for r in list(self.running))
         return super().stats() | {"requests_prefilling": prefilling, "prefill_chunks_total": self.prefill_chunks}
 
     def memory_report(self) -> str:

@@ -15,11 +15,11 @@ the shared pool but never keys a block: step 09's behaviour.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.loading import LoadedModel
-from common.request import Request, RequestStatus
-from step09_chunked_prefill.engine import Chunk, ChunkedPrefillEngine, ChunkedPrefillEngineConfig
+from common.request import RequestStatus
+from step09_chunked_prefill.engine import Chunk, ChunkedPrefillEngine, ChunkedPrefillEngineConfig, ChunkedRequest
 from step10_prefix_caching.block_pool import ROOT_KEY, PrefixCachingAllocator, block_key, chain_keys
 
 
@@ -28,31 +28,35 @@ class PrefixCachingEngineConfig(ChunkedPrefillEngineConfig):
     enable_prefix_caching: bool = True
 
 
+@dataclass(eq=False)
+class PrefixCachedRequest(ChunkedRequest):
+    block_keys: list[bytes] = field(default_factory=list)  # the keys of its full, computed blocks, in order
+
+
 class PrefixCachingEngine(ChunkedPrefillEngine):
     config_class = PrefixCachingEngineConfig
+    request_class = PrefixCachedRequest
 
     def __init__(self, loaded: LoadedModel, config: PrefixCachingEngineConfig) -> None:
         super().__init__(loaded, config)
         self.allocator: PrefixCachingAllocator = PrefixCachingAllocator(self.allocator.num_blocks)
-        self.block_keys: dict[str, list[bytes]] = {}  # per request: the keys of its full, computed blocks
         self.queried_tokens = 0  # prompt tokens looked up at admission
         self.hit_tokens = 0  # of those, found cached
 
     # ----- admission: claim the cached prefix first ------------------------------------------------------
 
-    def reserve_chunk(self, request: Request, budget: int) -> Chunk | None:
-        first_admission = request.status is RequestStatus.WAITING and request.request_id not in self.block_tables
+    def reserve_chunk(self, request: PrefixCachedRequest, budget: int) -> Chunk | None:
+        first_admission = request.status is RequestStatus.WAITING and not request.block_table
         if first_admission and self.config.enable_prefix_caching:
             self.claim_cached_prefix(request)
         chunk = super().reserve_chunk(request, budget)
-        if chunk is None and first_admission and request.request_id in self.block_tables:
+        if chunk is None and first_admission and request.block_table:
             # Not admitted after all: give the claimed blocks back (they stay cached) and look again next time.
-            self.allocator.free(self.block_tables.pop(request.request_id))
-            self.num_computed.pop(request.request_id, None)
-            self.block_keys.pop(request.request_id, None)
+            self.allocator.free(request.block_table)
+            request.block_table, request.num_computed, request.block_keys = [], 0, []
         return chunk
 
-    def claim_cached_prefix(self, request: Request) -> None:
+    def claim_cached_prefix(self, request: PrefixCachedRequest) -> None:
         """Take references on the longest cached run of the request's full blocks, leaving at least its last
         token to compute; its prefill then starts after them."""
         size = self.cache.block_size
@@ -62,19 +66,18 @@ class PrefixCachingEngine(ChunkedPrefillEngine):
         self.queried_tokens += len(tokens)
         self.hit_tokens += len(blocks) * size
         if blocks:
-            self.block_tables[request.request_id] = blocks
-            self.num_computed[request.request_id] = len(blocks) * size
-            self.block_keys[request.request_id] = [self.allocator.key_of_block[b] for b in blocks]
+            request.block_table = blocks
+            request.num_computed = len(blocks) * size
+            request.block_keys = [self.allocator.key_of_block[b] for b in blocks]
 
     # ----- bookkeeping: key every block a forward fills -------------------------------------------------------
 
-    def mark_computed(self, request: Request, end: int) -> None:
+    def mark_computed(self, request: PrefixCachedRequest, end: int) -> None:
         super().mark_computed(request, end)
         if not self.config.enable_prefix_caching:
             return
         size = self.cache.block_size
-        keys = self.block_keys.setdefault(request.request_id, [])
-        table = self.block_tables[request.request_id]
+        keys, table = request.block_keys, request.block_table
         full = end // size
         if len(keys) < full:
             tokens = request.all_token_ids
@@ -84,14 +87,10 @@ class PrefixCachingEngine(ChunkedPrefillEngine):
                 keys.append(parent)
                 self.allocator.register(table[i], parent)
 
-    def preempt(self, victim: Request) -> None:
+    def preempt(self, victim: PrefixCachedRequest) -> None:
         super().preempt(victim)
         if victim.status is RequestStatus.WAITING:
-            self.block_keys.pop(victim.request_id, None)  # its blocks stay cached; admitted again, it claims them
-
-    def free_request(self, request: Request) -> None:
-        super().free_request(request)
-        self.block_keys.pop(request.request_id, None)
+            victim.block_keys = []  # its blocks stay cached; admitted again, it claims them
 
     # ----- reports ---------------------------------------------------------------------------------------
 

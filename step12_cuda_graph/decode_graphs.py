@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -38,7 +38,7 @@ from step06_paged_attention.backends import AttentionBackend, AttentionMetadata
 from step06_paged_attention.engine import PagedAttentionForward
 
 # Padded rows in a sampling batch: greedy, so they never touch the noise; a fixed seed keeps them cheap.
-_PAD_PARAMS = SamplingParams(seed=0)
+PAD_PARAMS = SamplingParams(seed=0)
 
 # Tokens up to which a batch counts as short: step 06's decode kernel then makes at most 4 splits (of at
 # least one 64-token tile each), and merges them inside the kernel, without its merge kernel.
@@ -97,54 +97,73 @@ class GraphRecorder:
         return time.perf_counter() - self.started, torch.cuda.memory_reserved(self.device) - self.reserved_before
 
 
+@dataclass
+class DecodeBatch:
+    """One decode step's rows, as the host knows them: per request its newest token, its length with that
+    token, its block table, and how to sample (its parameters, and the position in its output of the token
+    drawn)."""
+
+    token_ids: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    params: list[SamplingParams]
+    output_positions: list[int]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
 class StaticDecodeInputs:
     """A decode batch's integer inputs at fixed device addresses, refilled from pinned host memory by one copy.
 
-    One flat int32 buffer laid out as [token ids | previous rows | positions | lengths | slots | block table],
-    the first five `max_batch` long and the table `max_batch` rows of `width` blocks: a bucket's rows are
-    then a prefix of it, so one copy of that prefix refreshes everything a replay reads. A row's "previous
-    row" is -1, or the row of the previous replay whose sampled token is this row's input (see `forward`)."""
+    One flat int32 buffer: the per-row fields (`FIELDS`), each `max_batch` long, then the block table,
+    `max_batch` rows of `width` blocks. A bucket's rows are then a prefix of each, so one copy of that prefix
+    refreshes everything a replay reads."""
 
-    FIELDS = 5  # the per-row fields before the block table
+    FIELDS: tuple[str, ...] = ("input_ids", "positions", "seq_lens", "slot_mapping")
 
     def __init__(self, max_batch: int, width: int, block_size: int, dummy_block: int, device: torch.device):
         self.max_batch, self.width, self.block_size, self.dummy_block = max_batch, width, block_size, dummy_block
-        size = self.FIELDS * max_batch + max_batch * width
+        size = len(self.FIELDS) * max_batch + max_batch * width
         self.device_buffer = torch.zeros(size, dtype=torch.int32, device=device)
         # Pinned memory lets the copy run asynchronously. The host must then not rewrite it before the copy
         # has run: `copied` marks that moment, and the next fill waits for it.
         self.host_buffer = torch.zeros(size, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.copied: torch.cuda.Event | None = None
-        (self.input_ids, self.previous_rows, self.positions, self.seq_lens, self.slot_mapping,
-         self.block_table) = self.views(self.device_buffer)
+        for name, view in self.views(self.device_buffer).items():
+            setattr(self, name, view)  # self.input_ids, self.positions, ..., self.block_table
         self.host = self.views(self.host_buffer)
 
-    def views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         b = self.max_batch
-        per_row = [buffer[i * b : (i + 1) * b] for i in range(self.FIELDS)]
-        return (*per_row, buffer[self.FIELDS * b :].view(b, self.width))
+        per_row = {name: buffer[i * b : (i + 1) * b] for i, name in enumerate(self.FIELDS)}
+        return per_row | {"block_table": buffer[len(self.FIELDS) * b :].view(b, self.width)}
 
-    def fill(self, token_ids: Sequence[int], seq_lens: Sequence[int], tables: Sequence[list[int]], bucket: int,
-             previous_rows: Sequence[int] | None = None) -> None:
-        """Rows 0..n-1 get the requests; rows n..bucket-1 are padding: one token at position 0 of the dummy block."""
+    def token_inputs(self, bucket: int, last_tokens: torch.Tensor) -> torch.Tensor:
+        """The input token of each of `bucket` rows, given the tokens the last replay sampled (unused here)."""
+        return self.input_ids[:bucket]
+
+    def wait_for_last_copy(self) -> None:
         if self.copied is not None:
             self.copied.synchronize()  # the last copy out of the host buffer has run
-        ids, previous, positions, lens, slots, table = self.host
-        pad = bucket - len(token_ids)
+
+    def fill(self, batch: DecodeBatch, bucket: int) -> None:
+        """Rows 0..n-1 get the requests; rows n..bucket-1 are padding: one token at position 0 of the dummy block."""
+        self.wait_for_last_copy()
+        host, tables = self.host, batch.tables
+        pad = bucket - len(batch)
         size, dummy = self.block_size, self.dummy_block
-        pos = [n - 1 for n in seq_lens]  # the new token's position: it is the last of its sequence
-        ids[:bucket] = torch.tensor([*token_ids, *[0] * pad], dtype=torch.int32)
-        previous_rows = [-1] * len(token_ids) if previous_rows is None else previous_rows
-        previous[:bucket] = torch.tensor([*previous_rows, *[-1] * pad], dtype=torch.int32)
-        positions[:bucket] = torch.tensor([*pos, *[0] * pad], dtype=torch.int32)
-        lens[:bucket] = torch.tensor([*seq_lens, *[1] * pad], dtype=torch.int32)
-        slots[:bucket] = torch.tensor([*(t[p // size] * size + p % size for t, p in zip(tables, pos)),
-                                       *[dummy * size] * pad], dtype=torch.int32)
+        pos = [n - 1 for n in batch.seq_lens]  # the new token's position: it is the last of its sequence
+        host["input_ids"][:bucket] = torch.tensor([*batch.token_ids, *[0] * pad], dtype=torch.int32)
+        host["positions"][:bucket] = torch.tensor([*pos, *[0] * pad], dtype=torch.int32)
+        host["seq_lens"][:bucket] = torch.tensor([*batch.seq_lens, *[1] * pad], dtype=torch.int32)
+        host["slot_mapping"][:bucket] = torch.tensor([*(t[p // size] * size + p % size for t, p in zip(tables, pos)),
+                                                      *[dummy * size] * pad], dtype=torch.int32)
         # Only the columns some row uses are written: a kernel never reads past its row's length.
         used = max((len(t) for t in tables), default=1)
         rows = [t + [dummy] * (used - len(t)) for t in tables] + [[dummy] * used] * pad
-        table[:bucket, :used] = torch.tensor(rows, dtype=torch.int32)
-        prefix = self.FIELDS * self.max_batch + bucket * self.width
+        host["block_table"][:bucket, :used] = torch.tensor(rows, dtype=torch.int32)
+        prefix = len(self.FIELDS) * self.max_batch + bucket * self.width
         self.device_buffer[:prefix].copy_(self.host_buffer[:prefix], non_blocking=True)
         if self.device_buffer.is_cuda:
             self.copied = torch.cuda.Event()
@@ -175,16 +194,17 @@ class DecodeGraphs:
     replayed."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
-                 dummy_block: int, max_batch: int, capture: bool) -> None:
+                 dummy_block: int, max_batch: int, capture: bool,
+                 inputs_class: type[StaticDecodeInputs] = StaticDecodeInputs) -> None:
         self.model, self.cache, self.backend, self.max_model_len = model, cache, backend, max_model_len
         self.device = model.device
         self.buckets = graph_buckets(max_batch)
         self.max_batch = self.buckets[-1]
-        self.inputs = StaticDecodeInputs(self.max_batch, cache.blocks_for(max_model_len), cache.block_size,
-                                         dummy_block, self.device)
+        self.inputs = inputs_class(self.max_batch, cache.blocks_for(max_model_len), cache.block_size, dummy_block,
+                                   self.device)
         self.cu_q_lens = torch.arange(self.max_batch + 1, dtype=torch.int32, device=self.device)
         vocab = self.model.config.vocab_size
-        self.sampling = SamplingTensors.build([_PAD_PARAMS] * self.max_batch, [0] * self.max_batch, vocab, self.device)
+        self.sampling = SamplingTensors.build([PAD_PARAMS] * self.max_batch, [0] * self.max_batch, vocab, self.device)
         self.tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
         # The longest sequence each bucket's graphs are captured for, shortest first.
         self.frozen_lens = {bucket: self.lengths_to_capture(bucket) for bucket in self.buckets}
@@ -208,10 +228,7 @@ class DecodeGraphs:
             seq_lens_host=[], max_q_len=1, max_seq_len=max_seq_len, block_size=s.block_size,
         )
         positions = s.positions[:bucket]
-        # A row launched before the host saw its input token reads it from the previous replay's output.
-        previous = s.previous_rows[:bucket]
-        input_ids = torch.where(previous >= 0, self.tokens[previous.clamp(min=0)], s.input_ids[:bucket])
-        hidden = self.model(input_ids, self.context(meta, positions))
+        hidden = self.model(s.token_inputs(bucket, self.tokens), self.context(meta, positions))
         if sampled:
             logits = self.model.compute_logits(hidden)
             rows = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:bucket] for f in fields(SamplingTensors)})
@@ -231,25 +248,23 @@ class DecodeGraphs:
         """Record every bucket's graphs, largest first, all in one memory pool (they never run at once)."""
         recorder = GraphRecorder(self.device)
         for bucket in reversed(self.buckets):
-            self.inputs.fill([], [], [], bucket)  # every row on the dummy block: capture writes nothing real
+            # Every row on the dummy block: the capture writes nothing a request reads.
+            self.inputs.fill(DecodeBatch([], [], [], [], []), bucket)
             for sampled, frozen_len in itertools.product((False, True), self.frozen_lens[bucket]):
                 self.graphs[bucket, sampled, frozen_len] = recorder.record(
                     lambda: self.forward(bucket, sampled, frozen_len))  # noqa: B023 - called at once
         self.capture_seconds, self.capture_bytes = recorder.finish()
 
-    def launch(self, token_ids: Sequence[int], previous_rows: Sequence[int], seq_lens: Sequence[int],
-               tables: Sequence[list[int]], params: Sequence[SamplingParams], output_positions: Sequence[int]
-               ) -> PendingTokens:
+    def launch(self, batch: DecodeBatch) -> PendingTokens:
         """Fill the static inputs and replay the bucket's graph (or run the same forward eagerly), without
-        waiting for it. Per row: its input token (or the previous replay's row that holds it), its length with
-        that token, its block table, and how to sample (parameters, the position of the token drawn)."""
-        n = len(token_ids)
+        waiting for it."""
+        n = len(batch)
         bucket = self.bucket_for(n)
-        self.inputs.fill(token_ids, seq_lens, tables, bucket, previous_rows)
-        sampled = not all(p.greedy for p in params)
+        self.inputs.fill(batch, bucket)
+        sampled = not all(p.greedy for p in batch.params)
         if sampled:
-            padded_params = [*params, *[_PAD_PARAMS] * (bucket - n)]
-            positions = [*output_positions, *[0] * (bucket - n)]
+            padded_params = [*batch.params, *[PAD_PARAMS] * (bucket - n)]
+            positions = [*batch.output_positions, *[0] * (bucket - n)]
             # Built on the host and copied into the static buffers: one small transfer per field, from pinned
             # memory (a copy from ordinary memory would make the host wait for the GPU to be idle).
             rows = SamplingTensors.build(padded_params, positions, self.model.config.vocab_size, torch.device("cpu"))
@@ -257,11 +272,12 @@ class DecodeGraphs:
             for f in fields(SamplingTensors):
                 field = getattr(rows, f.name)
                 getattr(self.sampling, f.name)[:bucket].copy_(field.pin_memory() if pinned else field, non_blocking=pinned)
-        graph = self.graph_for(bucket, sampled, max(seq_lens))
+        longest = max(batch.seq_lens)
+        graph = self.graph_for(bucket, sampled, longest)
         if graph is not None:
             graph.replay()
         else:
-            self.forward(bucket, sampled, max(seq_lens))
+            self.forward(bucket, sampled, longest)
         return PendingTokens(self.tokens[:n])
 
     def lengths_to_capture(self, bucket: int) -> list[int]:

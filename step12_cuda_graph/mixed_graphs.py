@@ -12,6 +12,9 @@ freezes shapes, addresses and launch grids, so a mixed step is laid out for the 
   figure a graph would freeze. Here the grid is a list of (request, tile of 64 rows) pairs in device memory,
   as long as the worst case of the bucket (`max_tiles`): unused entries name no request and return at once;
 - logits only at each row's last token (`sample_index`), sampled as the decode graphs do.
+
+Only a backend whose prefill can take that tile list is captured (`capturable_prefill`: `TileListTritonBackend`
+below); with another one, mixed steps run on the same buffers eagerly.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from common.sampling import SamplingParams, SamplingTensors, sample_rows
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend, AttentionMetadata, TritonBackend
 from step06_paged_attention.engine import PagedAttentionForward
-from step12_cuda_graph.decode_graphs import _PAD_PARAMS, GraphRecorder, PendingTokens, greedy_tokens
+from step12_cuda_graph.decode_graphs import PAD_PARAMS, GraphRecorder, PendingTokens, greedy_tokens
 
 TILE_ROWS = 64  # query rows a program of the tile kernel handles (step 06's prefill launch)
 SMALLEST_TOKEN_BUCKET = 256
@@ -126,9 +129,22 @@ class StaticMixedInputs:
             self.copied.record()
 
 
+class TileListTritonBackend(TritonBackend):
+    """Step 06's Triton backend, whose prefill can also run over a tile list in device memory: capturable."""
+
+    capturable_prefill = True
+
+    def prefill_tiles(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      tile_request: torch.Tensor, tile_index: torch.Tensor) -> torch.Tensor:
+        from step12_cuda_graph.prefill_tiles import paged_prefill_tiles  # Triton is optional
+
+        return paged_prefill_tiles(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens,
+                                   tile_request, tile_index, TILE_ROWS)
+
+
 class MixedGraphForward(PagedAttentionForward):
-    """Step 06's paged attention, with the prefill kernel launched over a tile list (the Triton backend) so
-    that a graph can hold it; other backends run their own prefill, eagerly."""
+    """Step 06's paged attention, with the prefill kernel launched over a tile list where the backend can
+    (`capturable_prefill`), so that a graph can hold it; other backends run their own prefill, eagerly."""
 
     def __init__(self, cache: PagedKVCache, backend: AttentionBackend, meta: AttentionMetadata,
                  positions: torch.Tensor, tile_request: torch.Tensor, tile_index: torch.Tensor) -> None:
@@ -136,19 +152,16 @@ class MixedGraphForward(PagedAttentionForward):
         self.tile_request, self.tile_index = tile_request, tile_index
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if not isinstance(self.backend, TritonBackend):
+        if not self.backend.capturable_prefill:
             # The padded tokens past the last chunk belong to no request, so the backend computes nothing for
             # them: their output would be uninitialized (NaN, perhaps), become the K/V they write to the dummy
             # block, and poison a later masked read of it (0 x NaN is NaN). Zero it, from the device offsets.
             out = super().attend(layer_idx, q, k, v)
             padded = torch.arange(q.shape[0], device=q.device) >= self.meta.cu_q_lens[-1]
             return out.masked_fill(padded[:, None, None], 0.0)
-        from step12_cuda_graph.prefill_tiles import paged_prefill_tiles  # Triton is optional
-
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
         self.backend.write_kv(k_cache, v_cache, k, v, self.meta)
-        return paged_prefill_tiles(q, k_cache, v_cache, self.meta.block_table, self.meta.cu_q_lens,
-                                   self.meta.seq_lens, self.tile_request, self.tile_index, TILE_ROWS)
+        return self.backend.prefill_tiles(q, k_cache, v_cache, self.meta, self.tile_request, self.tile_index)
 
 
 class MixedStepGraphs:
@@ -164,26 +177,26 @@ class MixedStepGraphs:
         self.inputs = StaticMixedInputs(max_tokens, max_rows, cache.blocks_for(max_model_len), cache.block_size,
                                         dummy_block, self.device)
         vocab = model.config.vocab_size
-        self.sampling = SamplingTensors.build([_PAD_PARAMS] * max_rows, [0] * max_rows, vocab, self.device)
+        self.sampling = SamplingTensors.build([PAD_PARAMS] * max_rows, [0] * max_rows, vocab, self.device)
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
         self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self.capture_seconds, self.capture_bytes = 0.0, 0
-        self.host_meta: tuple[list[int], list[int]] | None = None  # for an eager run on a backend that needs it
-        # Only the Triton backend's prefill reads every length from the device; another backend's reads host
-        # figures a graph would freeze, so its mixed steps run on the same buffers, eagerly.
-        if capture and isinstance(backend, TritonBackend):
+        # A backend whose prefill reads host figures (lengths, the longest chunk) would have them frozen by a
+        # graph: its mixed steps run on the same buffers, eagerly.
+        if capture and backend.capturable_prefill:
             self.capture_all()
 
     def fits(self, num_tokens: int, num_rows: int) -> bool:
         return num_tokens <= self.token_buckets[-1] and num_rows <= self.row_buckets[-1]
 
     @torch.inference_mode()
-    def forward(self, tokens: int, rows: int, sampled: bool) -> None:
-        """What one graph holds: `tokens` token slots and `rows` rows of the static inputs in, `rows` tokens out."""
+    def forward(self, tokens: int, rows: int, sampled: bool, host_lens: tuple[list[int], list[int]] = ([], [])
+                ) -> None:
+        """What one graph holds: `tokens` token slots and `rows` rows of the static inputs in, `rows` tokens out.
+        `host_lens`: the real rows' new tokens and lengths, for a backend that reads them on the host, eagerly
+        (a graph holds none: a capturable prefill reads every length from the device)."""
         s = self.inputs
-        # The host's lengths of the real rows, for a backend that reads them (the torch one, eagerly); a graph
-        # holds none: the Triton kernel reads every length from the device.
-        q_lens, seq_lens_host = self.host_meta or ([], [])
+        q_lens, seq_lens_host = host_lens
         meta = AttentionMetadata(
             is_prefill=True, slot_mapping=s.slot_mapping[:tokens], block_table=s.block_table[:rows],
             seq_lens=s.seq_lens[:rows], cu_q_lens=s.cu_q_lens[: rows + 1], q_lens=q_lens,
@@ -207,7 +220,7 @@ class MixedStepGraphs:
         for tokens in reversed(self.token_buckets):
             for rows in reversed(self.row_buckets):
                 # One padding chunk on the dummy block: the capture writes nothing a request reads.
-                self.inputs.fill([MixedChunk([0], 0, [self.inputs.dummy_block], False, _PAD_PARAMS, 0)], tokens, rows)
+                self.inputs.fill([MixedChunk([0], 0, [self.inputs.dummy_block], False, PAD_PARAMS, 0)], tokens, rows)
                 for sampled in (False, True):
                     self.graphs[tokens, rows, sampled] = recorder.record(
                         lambda: self.forward(tokens, rows, sampled))  # noqa: B023 - called at once
@@ -222,7 +235,7 @@ class MixedStepGraphs:
         self.inputs.fill(chunks, tokens, rows)
         sampled = not all(c.params.greedy for c in chunks if c.samples)
         if sampled:
-            padded = [c.params if c.samples else _PAD_PARAMS for c in chunks] + [_PAD_PARAMS] * (rows - len(chunks))
+            padded = [c.params if c.samples else PAD_PARAMS for c in chunks] + [PAD_PARAMS] * (rows - len(chunks))
             positions = [c.output_position for c in chunks] + [0] * (rows - len(chunks))
             host = SamplingTensors.build(padded, positions, self.model.config.vocab_size, torch.device("cpu"))
             pinned = self.device.type == "cuda"
@@ -232,11 +245,9 @@ class MixedStepGraphs:
         graph = self.graphs.get((tokens, rows, sampled))
         if graph is not None:
             graph.replay()
-        else:
-            # Eager (no CUDA, or a backend a graph cannot hold): the torch backend reads host lengths.
-            self.host_meta = ([len(c.token_ids) for c in chunks], [c.start + len(c.token_ids) for c in chunks])
-            self.forward(tokens, rows, sampled)
-            self.host_meta = None
+        else:  # eager: no CUDA, or a backend a graph cannot hold
+            self.forward(tokens, rows, sampled,
+                         ([len(c.token_ids) for c in chunks], [c.start + len(c.token_ids) for c in chunks]))
         return PendingTokens(self.tokens[: len(chunks)])
 
     def describe(self) -> str:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from step06_paged_attention.triton_kernels import _prefill_tile, dot_precision
+from step06_paged_attention.triton_kernels import dot_precision, prefill_tile
 
 
 @triton.jit
@@ -23,7 +23,7 @@ def _paged_prefill_tiles_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_
     entry = tl.program_id(0)
     request = tl.load(TILE_REQUEST + entry)
     if request >= 0:
-        _prefill_tile(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale, request,
+        prefill_tile(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale, request,
                       tl.load(TILE_INDEX + entry), tl.program_id(1), stride_qt, stride_qh, stride_bt, stride_slot,
                       stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, TILE, PRECISION)
 

@@ -25,9 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     graphs.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="replay mixed steps (decoders and prefill chunks) as graphs per token bucket (default: "
                              "on wherever decode is captured; --mixed-graphs on a CPU runs the padded path eagerly)")
-    graphs.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                        help="launch each decode step before the host has processed the previous one's tokens "
-                             "(default: on wherever decode is captured as graphs)")
 
 
 if __name__ == "__main__":

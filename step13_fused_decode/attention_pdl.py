@@ -12,9 +12,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from step06_paged_attention.backends import TritonBackend
-from step06_paged_attention.triton_kernels import (PagedAttentionKernels, _merge_splits_kernel,
-                                                   _paged_decode_split_kernel, _write_kv_kernel)
+from step06_paged_attention.triton_kernels import (PagedAttentionKernels, merge_splits_kernel,
+                                                   paged_decode_split_kernel, kv_write_kernel)
+from step12_cuda_graph.mixed_graphs import TileListTritonBackend
 from step13_fused_decode.dependent_launch import wait_for_previous_kernel
 
 
@@ -22,7 +22,7 @@ from step13_fused_decode.dependent_launch import wait_for_previous_kernel
 def _write_kv_pdl_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS, stride_k_t, stride_v_t, stride_slot,
                          ROW: tl.constexpr, ROW_PAD: tl.constexpr):
     wait_for_previous_kernel(True)
-    _write_kv_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS, stride_k_t, stride_v_t, stride_slot, ROW, ROW_PAD)
+    kv_write_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, SLOTS, stride_k_t, stride_v_t, stride_slot, ROW, ROW_PAD)
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _paged_decode_split_pdl_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, A
                                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
                                    PRECISION: tl.constexpr):
     wait_for_previous_kernel(True)
-    _paged_decode_split_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L, ARRIVED, OUT, scale, stride_qb,
+    paged_decode_split_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L, ARRIVED, OUT, scale, stride_qb,
                                stride_qh, stride_bt, stride_slot, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob,
                                stride_oh, NUM_SPLITS, MERGE_HERE, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE,
                                PRECISION)
@@ -43,7 +43,7 @@ def _paged_decode_split_pdl_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, A
 def _merge_splits_pdl_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
                              NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     wait_for_previous_kernel(True)
-    _merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
+    merge_splits_kernel(ACC, M, L, OUT, stride_acc_b, stride_acc_h, stride_acc_s, stride_ob, stride_oh,
                          NUM_SPLITS, SPLITS_PAD, HEAD_DIM)
 
 
@@ -64,10 +64,10 @@ class PDLPagedAttentionKernels(PagedAttentionKernels):
     merge_kernel = LaunchedWithPDL(_merge_splits_pdl_kernel)
 
 
-class PDLTritonBackend(TritonBackend):
-    """Step 06's Triton backend with its KV-write and decode kernels launched with PDL (prefill unchanged)."""
+class PDLTritonBackend(TileListTritonBackend):
+    """Step 12's Triton backend with its KV-write and decode kernels launched with PDL (prefill unchanged)."""
 
-    def __init__(self, num_sms: int) -> None:
-        super().__init__(num_sms)
+    def __init__(self, num_sms: int, max_batch: int = 256) -> None:
+        super().__init__(num_sms, max_batch)
         self.kernels = PDLPagedAttentionKernels()
 

@@ -4,8 +4,8 @@ Against step 12, `FusedDecodeEngine` changes what its decode graphs capture (`bu
 model but its fused twin (`fused_forward.fuse`), whose layers run packed projections, one Triton kernel per
 element-wise chain and, at up to 16 rows, our own skinny matrix multiply with the greedy tokens found inside
 the output head's; with `pdl`, every kernel, step 06's attention kernels included (`PDLTritonBackend`), is
-launched with programmatic dependent launch. Prefill, scheduling, the graphs' buckets and buffers, and the
-host overlapped with the GPU are step 12's. Each switch off gives step 12's path back, as an ablation.
+launched with programmatic dependent launch. Prefill, scheduling, and the graphs' buckets and buffers are
+step 12's. Each switch off gives step 12's path back, as an ablation.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 from common.loading import LoadedModel
 from common.model import CausalLM
 from step02_paged_kv.kv_cache import PagedKVCache
-from step06_paged_attention.backends import AttentionBackend, AttentionMetadata, TritonBackend, require_triton_device
-from step12_cuda_graph.decode_graphs import DecodeGraphs
+from step06_paged_attention.backends import AttentionBackend, AttentionMetadata, require_triton_device
+from step12_cuda_graph.decode_graphs import DecodeGraphs, StaticDecodeInputs
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
 
 
@@ -39,13 +39,14 @@ class FusedDecodeGraphs(DecodeGraphs):
     """Step 12's decode graphs over the fused twin of the model (`fuse`), with its context."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
-                 dummy_block: int, max_batch: int, capture: bool, skinny_matmul: bool = False,
+                 dummy_block: int, max_batch: int, capture: bool,
+                 inputs_class: type[StaticDecodeInputs] = StaticDecodeInputs, skinny_matmul: bool = False,
                  pdl: bool = False) -> None:
         from step13_fused_decode.fused_forward import fuse  # imported only when asked for: Triton is optional
 
         self.skinny_matmul, self.pdl = skinny_matmul, pdl
         super().__init__(fuse(model, skinny=skinny_matmul, pdl=pdl), cache, backend, max_model_len, dummy_block,
-                         max_batch, capture)
+                         max_batch, capture, inputs_class)
 
     def context(self, meta: AttentionMetadata, positions: torch.Tensor):  # noqa: ANN201
         from step13_fused_decode.fused_forward import FusedDecodeForward
@@ -74,6 +75,17 @@ class FusedDecodeEngine(CudaGraphEngine):
         """Whether kernels on `device` can use programmatic dependent launch (compute capability 9.0 or later)."""
         return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
+    def backend_classes(self, config: FusedDecodeEngineConfig) -> dict[str, type[AttentionBackend]]:
+        """Step 12's, the Triton backend's KV-write and decode kernels launched with PDL where the fused decode
+        may use it (so that the o projection after attention is placed early); --no-pdl keeps step 12's."""
+        classes = super().backend_classes(config)
+        if config.cuda_graph and config.pdl is not False and config.fused_ops is not False and self.supports_pdl(
+                self.device):
+            from step13_fused_decode.attention_pdl import PDLTritonBackend  # Triton is optional
+
+            classes["triton"] = PDLTritonBackend
+        return classes
+
     def build_graphs(self, config: FusedDecodeEngineConfig) -> DecodeGraphs:
         fused_ops = self.eager_reason is None if config.fused_ops is None else config.fused_ops
         if fused_ops:
@@ -88,10 +100,6 @@ class FusedDecodeEngine(CudaGraphEngine):
                              "which needs --fused-ops and a GPU of compute capability 9.0 or later: drop --pdl")
         if not fused_ops:
             return super().build_graphs(config)  # step 12's graphs, over the plain model
-        if pdl and isinstance(self.backend, TritonBackend):  # attention too, so the o projection is placed early
-            from step13_fused_decode.attention_pdl import PDLTritonBackend
-
-            self.backend = PDLTritonBackend(self.backend.num_sms)  # the engine's, prefill's KV write included
         return FusedDecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
                                  self.max_graph_batch(config), capture=self.eager_reason is None,
-                                 skinny_matmul=skinny_matmul, pdl=pdl)
+                                 inputs_class=self.decode_inputs_class, skinny_matmul=skinny_matmul, pdl=pdl)
