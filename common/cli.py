@@ -57,10 +57,31 @@ class CommandLineError(ValueError):
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser with its own errors (an unknown flag, `--max-tokens x`) as one line and exit code 2:
-    the default prints the whole usage block first, which buries the one line that matters."""
+    the default prints the whole usage block first, which buries the one line that matters. A flag added
+    again replaces the earlier one (`refuse_flag` relies on it)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, conflict_handler="resolve", **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {message} (see --help)\n")
+
+
+class RefusedFlag(argparse.Action):
+    """A flag of an earlier step that changes nothing in this one: given, it ends the program with one line."""
+
+    def __init__(self, option_strings: list[str], dest: str, why: str) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.why = why
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} does nothing in this step: {self.why}")
+
+
+def refuse_flag(parser: argparse.ArgumentParser, *flags: str, why: str) -> None:
+    """Turn an earlier step's `flags` (added already) into ones this step refuses, saying `why`."""
+    parser.add_argument(*flags, action=RefusedFlag, why=why)
 
 
 def fail(err: Exception) -> int:

@@ -9,13 +9,16 @@ Examples:
 
 import argparse
 
-from common.cli import main
+from common.cli import main, refuse_flag
 from step07_preemption.run import add_arguments as add_step07_arguments
 from step09_chunked_prefill.engine import CPU_TOKEN_BUDGET, GPU_STEP_FLOPS, ChunkedPrefillEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_step07_arguments(parser)
+    # Step 06's and 07's way of prefilling (each admitted prompt whole, in one forward) no longer runs.
+    refuse_flag(parser, "--batched-prefill", "--no-batched-prefill",
+                why="prompts are prefilled in chunks under the token budget (--max-num-batched-tokens)")
     chunked = parser.add_argument_group("chunked prefill")
     chunked.add_argument("--max-num-batched-tokens", type=int, default=None,
                          help=f"tokens one step may compute: every decoder's, then prefill chunks (default: "
