@@ -1,17 +1,25 @@
 """The tutorial tour: every step's engine runs on the embedded model, is checked against HF generate(),
 and its throughput is printed; then step 08 serves a tiny model and is called through the openai SDK.
-Run it with `make tour` (or `.venv/bin/python tour.py`)."""
+Run it with `make tour` (or `.venv/bin/python tour.py`).
+
+`python tour.py --map [STEP]` loads no model: it prints the final engine (or STEP's) as one engine, each method
+under the step whose code runs it, with the earlier steps whose version it overrides."""
 
 from __future__ import annotations
 
+import argparse
+import functools
+import inspect
 import sys
+import textwrap
 import time
+from typing import NamedTuple
 
 from common.checks import check_against_reference
 from common.engine import Engine
 from common.prompts import DEMO_PROMPTS
 from common.sampling import SamplingParams
-from common.steps import STEPS
+from common.steps import STEP_NAMES, STEPS, Step, find_step
 from step08_serve.run import parse_args as server_args
 from step08_serve.run import dry_run as server_dry_run
 
@@ -36,7 +44,141 @@ def tour_step(name: str, idea: str, engine_class: type[Engine]) -> tuple[float, 
     return tokens / elapsed, ok
 
 
-def main() -> int:
+# ----- the map: the chain of engine classes read as one engine (`python tour.py --map [STEP]`) -----------------
+
+LINE_WIDTH = 119  # every line of the map fits in 120 columns
+BASE_FILE = "common/engine.py"  # the base class is no step: the map names its file
+
+
+def is_method(value: object) -> bool:
+    """What the map lists: functions, static and class methods, properties (not class attributes)."""
+    return inspect.isfunction(value) or isinstance(
+        value, (staticmethod, classmethod, property, functools.cached_property))
+
+
+def method_kind(value: object) -> str:
+    """" [property]", " [classmethod]", ...: a tag after the name; nothing for a plain method."""
+    return "" if inspect.isfunction(value) else f" [{type(value).__name__}]"
+
+
+def chain_of(engine_class: type[Engine]) -> list[type]:
+    """The engine's classes from the base up: its __mro__ reversed, without `object` and `ABC`."""
+    return [cls for cls in reversed(engine_class.__mro__) if cls.__module__ not in ("builtins", "abc")]
+
+
+def step_of(cls: type) -> Step | None:
+    """The registry's step whose engine this class is (matched by "module:Class", so nothing is imported)."""
+    path = f"{cls.__module__}:{cls.__qualname__}"
+    return next((step for step in STEPS if step.engine_path == path), None)
+
+
+def short_label(cls: type) -> str:
+    """How an "overrides" list names a class: step02, common/engine.py, or module.Class for anything else."""
+    step = step_of(cls)
+    if step is not None:
+        return step.name.split("_")[0]
+    return BASE_FILE if cls is Engine else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def header(cls: type) -> str:
+    """A class's line in the map: `step07_preemption (PreemptionEngine): optimistic admission, ...`."""
+    step = step_of(cls)
+    if step is not None:
+        return f"{step.name} ({cls.__name__}): {step.idea}"
+    doc = inspect.getdoc(sys.modules[cls.__module__] if cls is Engine else cls) or ""
+    return f"{short_label(cls)} ({cls.__name__}): {doc.splitlines()[0] if doc else ''}"
+
+
+def fit(line: str) -> str:
+    """Cut a line that would pass LINE_WIDTH, and say so with "..."."""
+    return line if len(line) <= LINE_WIDTH else line[:LINE_WIDTH - 3] + "..."
+
+
+def runs_from(engine_class: type[Engine], name: str) -> type:
+    """The class whose `name` the engine runs: the first one on its __mro__ that defines it."""
+    return next(cls for cls in engine_class.__mro__ if name in vars(cls))
+
+
+class MapEntry(NamedTuple):
+    name: str  # with a tag for what it is, if not a plain method: "importance [staticmethod]"
+    overrides: list[type]  # the earlier classes of the chain that define it too, base first
+
+
+def entries_of(engine_class: type[Engine], cls: type, chain: list[type]) -> list[MapEntry]:
+    """The methods of `cls` that run in the engine: every public one, and any other that a class overrides."""
+    entries = []
+    for name, value in vars(cls).items():
+        if not is_method(value) or runs_from(engine_class, name) is not cls:
+            continue  # not a method, or a later class's version runs instead
+        earlier = [other for other in chain if other is not cls and is_method(vars(other).get(name))]
+        if name.startswith("_") and not earlier:
+            continue  # private and never overridden: a detail of its own class
+        entries.append(MapEntry(name + method_kind(value), earlier))
+    return entries
+
+
+def entry_lines(entry: MapEntry) -> list[str]:
+    """`  decode                              overrides step02, step12`: a long list goes on under its column."""
+    name = f"  {entry.name:<36}"
+    if not entry.overrides:
+        return [name.rstrip()]
+    overrides = "overrides " + ", ".join(short_label(cls) for cls in entry.overrides)
+    return textwrap.wrap(overrides, LINE_WIDTH, initial_indent=name, subsequent_indent=" " * len(name))
+
+
+def not_in_chain(engine_class: type[Engine], chain: list[type]) -> list[Step]:
+    """The registry's steps before this engine's that it does not build on (a side branch of the tutorial)."""
+    paths = {f"{cls.__module__}:{cls.__qualname__}" for cls in chain}
+    last = step_of(engine_class)
+    before = STEPS if last is None else STEPS[:STEPS.index(last)]
+    return [step for step in before if step.engine_path not in paths]
+
+
+def engine_map(engine_class: type[Engine]) -> list[str]:
+    """The map of one engine, as lines: a header per class of its chain (base first) and the methods it runs."""
+    chain = chain_of(engine_class)
+    step = step_of(engine_class)
+    lines = [fit(f"The map of {engine_class.__name__}{f' ({step.name})' if step else ''}, its chain of classes "
+                 "read as one engine:"),
+             'each method under the class whose version runs; "overrides" names the earlier classes '
+             'that define it too.']
+    skipped = not_in_chain(engine_class, chain)
+    if skipped:
+        names = ", ".join(f"{s.name} ({s.engine_path.partition(':')[2]})" for s in skipped)
+        lines.append(fit(f"Not in this chain: {names}"))
+    entries = []
+    for cls in chain:
+        own = entries_of(engine_class, cls, chain)
+        entries += own
+        lines += ["", fit(header(cls))]
+        own_lines = [line for entry in own for line in entry_lines(entry)]
+        lines += own_lines or ["  (nothing of its own runs here: later classes override it all)"]
+    overriding = sum(bool(e.overrides) for e in entries)
+    lines += ["", fit(f"{engine_class.__name__} runs {len(entries)} methods from {len(chain)} classes; "
+                      f"{overriding} of them override an earlier class's version.")]
+    return lines
+
+
+# ----- the command line --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Run every step's engine on the embedded model, checked "
+                                                 "against HF generate() and timed; or map one engine.")
+    parser.add_argument("--map", nargs="?", const=STEPS[-1].name, choices=STEP_NAMES, metavar="STEP",
+                        help="print the engine of STEP (default: the last step) as one engine, and load no model")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.map:
+        print("\n".join(engine_map(find_step(args.map).engine_class())))
+        return 0
+    return run_tour()
+
+
+def run_tour() -> int:
     print(f"The tour runs {len(STEPS)} engines on the embedded SmolLM2-135M-Instruct, on the CPU, "
           f"{len(DEMO_PROMPTS)} prompts x {MAX_TOKENS} tokens each, then step 08's server.")
     results = [(step.name, *tour_step(step.name, step.idea, step.engine_class())) for step in STEPS]
