@@ -24,7 +24,8 @@ class Step:
         return getattr(importlib.import_module(module), cls)
 
 
-# In the order of the chain: each engine is a subclass of the one above it.
+# In step order. Each engine subclasses an earlier one: 02 starts afresh from common's Engine (01 is the serial
+# baseline), 06 builds on 02 (03 only swaps 02's gather), and from 06 on each builds on the one above it.
 STEPS: tuple[Step, ...] = (
     Step("step01_serial", "serial decode, one forward per request, contiguous KV",
          "step01_serial.engine:SerialEngine"),
