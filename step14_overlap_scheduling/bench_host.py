@@ -5,9 +5,9 @@ scheduling (step 09's `schedule`), filling the static inputs, and turning sample
 (`process_tokens`: detokenizing, stop checks). The engine waits for each step's tokens before doing any of
 it, so this time adds to every step. Measured here on the CPU with a tiny model and the model's own work
 timed apart (the forward is wrapped), at several batch sizes with long prompts. Writes JSON evidence (by
-default runs/step12_cuda_graph/host-per-step-cpu.json, ignored by git).
+default runs/step14_overlap_scheduling/host-per-step-cpu.json, ignored by git).
 
-    .venv/bin/python step12_cuda_graph/bench_host.py --batches 32,128,256
+    .venv/bin/python step14_overlap_scheduling/bench_host.py --batches 32,128,256
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from common.bench import default_output, evidence_header, write_json
 from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_sizes
 from common.loading import load_model
 from common.sampling import SamplingParams
-from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
+from step14_overlap_scheduling.engine import OverlapSchedulingEngine, OverlapSchedulingEngineConfig
 
 
 def timed(totals: dict[str, float], name: str, fn: Callable) -> Callable:
@@ -41,7 +41,7 @@ def timed(totals: dict[str, float], name: str, fn: Callable) -> Callable:
 
 def host_ms_per_step(batch: int, prompt_len: int, steps: int) -> dict[str, float]:
     loaded = load_model("tiny-llama")
-    engine = CudaGraphEngine(loaded, CudaGraphEngineConfig(
+    engine = OverlapSchedulingEngine(loaded, OverlapSchedulingEngineConfig(
         device="cpu", block_size=16, attn="torch", num_blocks=batch * (-(-(prompt_len + steps + 8) // 16)),
         max_graph_batch=batch))
     rng = random.Random(0)
@@ -72,7 +72,7 @@ def main() -> int:
     p.add_argument("--batches", default="32,128,256")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--output", type=Path, default=default_output("step12_cuda_graph", "host-per-step", "cpu"),
+    p.add_argument("--output", type=Path, default=default_output("step14_overlap_scheduling", "host-per-step", "cpu"),
                    help="evidence file (default %(default)s)")
     args = p.parse_args()
     try:  # before the model loads: a bad value is one line and exit code 2
