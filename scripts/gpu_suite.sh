@@ -26,9 +26,9 @@ parity() {
     python step12_cuda_graph/run.py --dry-run --device cuda --attn triton
     python step13_fused_decode/run.py --dry-run --device cuda --attn triton
     # The embedded model's weights are not carried to the GPU machine: its tests run on CPU in CI.
-    python -m pytest -q -m "not embedded" tests/test_step06_triton_kernels.py tests/test_step06.py tests/test_step12.py \
-      tests/test_step13_engine.py tests/test_step13_fused_kernels.py tests/test_step13_skinny_matmul.py \
-      tests/test_step13_packed_projections.py
+    python -m pytest -q -m "not embedded" tests/test_step06_triton_kernels.py tests/test_step06_paged_attention.py \
+      tests/test_step12_cuda_graph.py tests/test_step13_engine.py tests/test_step13_fused_kernels.py \
+      tests/test_step13_skinny_matmul.py tests/test_step13_packed_projections.py
   } 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/dry-run-cuda.txt"
 }
 
@@ -151,7 +151,7 @@ chunked_parity() {
     for step in step09_chunked_prefill step12_cuda_graph step13_fused_decode; do
       python "$step/run.py" --dry-run --device cuda --attn triton --max-num-batched-tokens 5
     done
-    python -m pytest -q -m "not embedded" tests/test_step09_chunked_prefill.py tests/test_step12.py tests/test_step13_engine.py
+    python -m pytest -q -m "not embedded" tests/test_step09_chunked_prefill.py tests/test_step12_cuda_graph.py tests/test_step13_engine.py
   } 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/chunked-dry-run-cuda.txt"
 }
 

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from common.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError, bundled_config_names
 from common.engine import EngineConfig, PromptTooLongError
-from common.loading import LoadedModel, ModelLoadError, embedded_model_dir, load_model
+from common.loading import EMBEDDED_MODEL, LoadedModel, ModelLoadError, cache_dir, embedded_model_dir, load_model
 from common.request import FinishReason
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
@@ -21,6 +21,14 @@ from step01_serial.engine import SerialEngine
 from step01_serial.kv_cache import ContiguousForward, ContiguousKVCache
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def tokenizer_files_dir() -> Path:
+    """Where the embedded tokenizer's files are, as `embedded_tokenizer()` looks for them: the cache's copy of
+    the files alone where there is one (a GPU machine carries only those, without the package that holds the
+    weights), else the embedded model's converted folder."""
+    folder = cache_dir() / EMBEDDED_MODEL
+    return folder if (folder / "tokenizer.json").is_file() else embedded_model_dir()
 
 
 def write_checkpoint(folder: Path, loaded: LoadedModel, tensors: dict[str, torch.Tensor] | None = None) -> Path:
@@ -31,7 +39,7 @@ def write_checkpoint(folder: Path, loaded: LoadedModel, tensors: dict[str, torch
         tensors = checkpoint_tensors(loaded)
     save_file(tensors, str(folder / "model.safetensors"))
     for name in _TOKENIZER_FILES:
-        shutil.copy(embedded_model_dir() / name, folder / name)
+        shutil.copy(tokenizer_files_dir() / name, folder / name)
     return folder
 
 

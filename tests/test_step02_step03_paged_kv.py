@@ -20,7 +20,7 @@ from step02_paged_kv.engine import PagedEngine, PagedEngineConfig
 from step02_paged_kv.kv_cache import PagedDecodeForward, PagedKVCache, PagedPrefillForward
 from step03_vectorized_gather.engine import VectorizedGatherEngine
 from step03_vectorized_gather.kv_cache import VectorizedDecodeForward, VectorizedPrefillForward
-from tests.conftest import PARITY_MAX_TOKENS
+from tests.helpers import PARITY_MAX_TOKENS
 
 PAGED_ENGINES = [PagedEngine, VectorizedGatherEngine]
 
@@ -168,6 +168,7 @@ def test_block_table_translation_is_printed_for_scattered_blocks() -> None:
     assert f"block  1 -> {table[1]:4d}" in text
 
 
+@pytest.mark.embedded
 @pytest.mark.parametrize("engine_class", PAGED_ENGINES)
 def test_embedded_model_parity(engine_class: type[Engine], embedded: LoadedModel, embedded_hf, embedded_reference) -> None:
     """The real model, 12 prompts arriving over time, block size 16: HF's greedy tokens (or a shown tie)."""

@@ -9,72 +9,13 @@ from transformers import PreTrainedModel
 
 from common.loading import LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
-from common.reference import hf_model_for, reference_greedy
 from common.request import RequestStatus
 from common.sampling import SamplingParams
 from step09_chunked_prefill.engine import ChunkedPrefillEngine, ChunkedPrefillEngineConfig
-from tests.conftest import (PARITY_MAX_TOKENS, assert_blocks_held_once_per_holder, assert_matches_reference, in_vocab,
-                            tiny_with_small_vocab)
-from tests.test_step06 import needs_triton
-from tests.test_step07 import assert_nothing_left
+from tests.helpers import (LONG_PROMPT, PARITY_MAX_TOKENS, CheckedRun, assert_matches_reference, assert_nothing_left,
+                           hf_tokens, in_vocab, needs_triton, tiny_with_small_vocab)
 
 MAX_TOKENS = 10
-# A prompt longer than the largest budget tested (64), mixing scripts: each chunk boundary falls somewhere new.
-LONG_PROMPT = "Summarise this, keeping every name: " + " ".join(
-    ["Ada Lovelace wrote the first program; 李白 wrote poems; Émile Zola wrote novels 📚."] * 4)
-
-
-class CheckedRun:
-    """Runs an engine step by step, requests arriving while others decode, and checks at every step what
-    chunked prefill promises: no step computes more than the budget (or one token per decoder, if more),
-    every decoder gets its token, no request samples before its prompt is fully computed, no block is owned
-    twice, and nothing is left behind at the end."""
-
-    def __init__(self, engine: ChunkedPrefillEngine) -> None:
-        self.engine = engine
-        self.tokens_per_step: list[int] = []
-        forward_mixed, decode = engine.forward_mixed, engine.decode
-
-        def counting_forward_mixed(chunks):  # noqa: ANN001, ANN202
-            self.tokens_per_step.append(sum(c.num_tokens for c in chunks))
-            return forward_mixed(chunks)
-
-        def counting_decode(requests):  # noqa: ANN001, ANN202
-            self.tokens_per_step.append(len(requests))
-            return decode(requests)
-
-        engine.forward_mixed, engine.decode = counting_forward_mixed, counting_decode
-
-    def run(self, prompts: list[list[int]], params: SamplingParams, arrive_every: int = 2,
-            priorities: list[int] | None = None) -> list[list[int]]:
-        engine, pending, requests, steps = self.engine, list(enumerate(prompts)), [], 0
-        while pending or engine.has_unfinished():
-            while pending and pending[0][0] * arrive_every <= steps:
-                index, prompt = pending.pop(0)
-                rid = engine.add_request(prompt, params, priority=(priorities or [0] * len(prompts))[index])
-                requests.append(engine.requests[rid])
-            decoders = {r.request_id for r in engine.running if engine.is_decoding(r)}
-            before = len(self.tokens_per_step)
-            outputs = engine.step()
-            steps += 1
-            got_token = {o.request_id for o in outputs if o.new_token_ids}
-            still_there = {r.request_id for r in engine.running} | {r.request_id for r in requests if r.finished}
-            assert decoders & still_there <= got_token, "a running decoder got no token this step"
-            if len(self.tokens_per_step) > before:
-                assert self.tokens_per_step[-1] <= max(engine.token_budget, len(decoders))
-            for rid in got_token:
-                request = next(r for r in requests if r.request_id == rid)
-                if not request.finished:
-                    assert engine.num_computed[rid] == request.num_tokens - 1, "sampled before the last chunk"
-            assert_blocks_held_once_per_holder(engine)
-        assert_nothing_left(engine)
-        assert not engine.num_computed
-        return [r.output_token_ids for r in requests]
-
-
-def hf_tokens(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    hf = hf_model_for(loaded)
-    return [reference_greedy(hf, p, max_tokens, loaded.tokenizer.eos_token_ids) for p in prompts]
 
 
 @pytest.fixture(scope="module")

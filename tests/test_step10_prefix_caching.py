@@ -12,7 +12,7 @@ from common.sampling import SamplingParams
 from step02_paged_kv.block_allocator import OutOfBlocksError
 from step10_prefix_caching.block_pool import PrefixCachingAllocator, chain_keys
 from step10_prefix_caching.engine import PrefixCachingEngine, PrefixCachingEngineConfig
-from tests.conftest import assert_blocks_held_once_per_holder
+from tests.helpers import assert_blocks_held_once_per_holder
 
 
 def test_keys_chain_over_the_prefix() -> None:

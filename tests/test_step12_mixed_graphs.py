@@ -9,16 +9,13 @@ import torch
 from common.config import tiny_config
 from common.loading import LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
-from common.reference import hf_model_for, reference_greedy
 from common.sampling import SamplingParams
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionMetadata, TorchBackend
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
 from step12_cuda_graph.mixed_graphs import (TILE_ROWS, MixedChunk, MixedGraphForward, StaticMixedInputs, max_tiles,
                                             mixed_row_buckets, mixed_token_buckets)
-from tests.conftest import in_vocab, tiny_with_small_vocab
-from tests.test_step06 import needs_triton
-from tests.test_step09_chunked_prefill import LONG_PROMPT, CheckedRun
+from tests.helpers import LONG_PROMPT, CheckedRun, hf_tokens, in_vocab, needs_triton, tiny_with_small_vocab
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -106,11 +103,6 @@ def test_padded_tokens_attend_to_nothing_on_other_backends() -> None:
                                 torch.zeros(0))
     out = forward.attend(0, q, k, v)
     assert torch.isfinite(out[:5]).all() and torch.equal(out[5:], torch.zeros_like(out[5:]))
-
-
-def hf_tokens(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    hf = hf_model_for(loaded)
-    return [reference_greedy(hf, p, max_tokens, loaded.tokenizer.eos_token_ids) for p in prompts]
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])

@@ -8,7 +8,7 @@ import torch
 
 from common.loading import load_model
 from step13_fused_decode.engine import FusedDecodeEngine, FusedDecodeEngineConfig
-from tests.test_step12 import check_graphs_match_step06_on_cuda
+from tests.helpers import check_graphs_match_step06_on_cuda
 
 
 def test_cpu_says_it_runs_step12s_plain_path() -> None:

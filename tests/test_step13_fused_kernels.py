@@ -22,7 +22,7 @@ from step01_serial.engine import SerialEngine  # noqa: E402
 from step13_fused_decode import fused_kernels  # noqa: E402
 from step13_fused_decode.engine import FusedDecodeEngine, FusedDecodeEngineConfig  # noqa: E402
 from step13_fused_decode.skinny_matmul import skinny_linear  # noqa: E402
-from tests.conftest import in_vocab, tiny_with_small_vocab  # noqa: E402
+from tests.helpers import in_vocab, tiny_with_small_vocab  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

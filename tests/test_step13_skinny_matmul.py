@@ -15,7 +15,7 @@ from common.model import RMSNorm  # noqa: E402
 from step13_fused_decode.packed_projections import PackedProjections  # noqa: E402
 from step13_fused_decode.skinny_matmul import (  # noqa: E402
     MAX_ROWS, ArgmaxState, SkinnyConfig, skinny_config, skinny_linear, skinny_linear_add, skinny_linear_argmax)
-from tests.conftest import tiny_with_small_vocab  # noqa: E402
+from tests.helpers import tiny_with_small_vocab  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

@@ -17,7 +17,7 @@ from common.request import FinishReason
 from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
 from step01_serial.run import __doc__ as RUN_DOC
-from tests.conftest import PARITY_MAX_TOKENS
+from tests.helpers import PARITY_MAX_TOKENS
 
 REPO = Path(__file__).resolve().parent.parent
 

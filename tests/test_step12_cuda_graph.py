@@ -7,8 +7,6 @@ and `test_captured_graphs_match_step06_on_cuda` replays real graphs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 
@@ -23,8 +21,7 @@ from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import TorchBackend
 from step12_cuda_graph.decode_graphs import SHORT_CONTEXT, DecodeGraphs, StaticDecodeInputs, graph_buckets
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
-from tests.conftest import PARITY_MAX_TOKENS, step01_tokens
-from tests.test_step07 import run_checked
+from tests.helpers import PARITY_MAX_TOKENS, check_graphs_match_step06_on_cuda, run_checked, step01_tokens
 
 
 def test_buckets_cover_every_batch_size() -> None:
@@ -205,29 +202,6 @@ def test_embedded_model_matches_hf(embedded: LoadedModel, embedded_hf, embedded_
     for (prompt, theirs), ours in zip(reference, outputs):
         report = compare_greedy(embedded_hf, prompt, ours.token_ids, theirs)
         assert report.ok, report.describe()
-
-
-def check_graphs_match_step06_on_cuda(model: str, make_engine: Callable[[LoadedModel, int], CudaGraphEngine]) -> None:
-    """fp32, our Triton kernels in both engines: replayed graphs give step 06's eager tokens, with
-    arrivals, non-bucket batches and a budget tight enough to preempt (step 13 runs it on its fused path)."""
-    loaded = load_model(model, device="cuda", dtype=torch.float32)
-    prompts = [loaded.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:7]]
-    params = [SamplingParams(max_tokens=10 + 2 * i) for i in range(7)]
-    step06 = PagedAttentionEngine(loaded, PagedAttentionEngineConfig(device="cuda", block_size=16, num_blocks=64,
-                                                                      attn="triton"))
-    expected = staggered_generate(step06, prompts, params, arrive_every=1)
-    for num_blocks in (64, 10):
-        engine = make_engine(loaded, num_blocks)
-        assert engine.eager_reason is None and engine.graphs is not None and engine.graphs.graphs
-        outputs = staggered_generate(engine, prompts, params, arrive_every=1)
-        # The graphs fix the decode kernel's split count, so float32 sums may be ordered differently from
-        # step 06's: a token may differ only where HF shows the two candidates tied.
-        reports = compare_engines(loaded, prompts, outputs, expected)
-        assert all(r.ok for r in reports), [r.describe() for r in reports if not r.ok]
-        assert sum(r.equal for r in reports) >= len(prompts) - 1
-        assert engine.allocator.num_used == 0
-        if num_blocks == 10:
-            assert engine.preemptions >= 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")

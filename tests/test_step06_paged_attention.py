@@ -15,10 +15,7 @@ from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
 from step06_paged_attention.backends import TritonBackend, create_backend
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
-from tests.conftest import PARITY_MAX_TOKENS, assert_matches_reference, step01_tokens
-
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="Triton is not installed (Linux x86-64 only)")
+from tests.helpers import PARITY_MAX_TOKENS, assert_matches_reference, needs_triton, step01_tokens
 
 
 def assert_same_as_step01(loaded: LoadedModel, prompts: list[list[int]], ours, theirs) -> None:

@@ -11,38 +11,8 @@ from common.request import RequestStatus
 from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
-from tests.conftest import PARITY_MAX_TOKENS, assert_blocks_held_once_per_holder, assert_matches_reference, step01_tokens
-
-
-def run_checked(engine: PreemptionEngine, prompts: list[list[int]], params: SamplingParams,
-                priorities: list[int] | None = None) -> tuple[list[list[int]], list[str]]:
-    """Run to completion while checking, at every step, that what was emitted never changes and that no
-    block is owned twice. Returns each request's tokens and the order in which requests finished."""
-    ids = [engine.add_request(p, params, priority=(priorities or [0] * len(prompts))[i]) for i, p in enumerate(prompts)]
-    requests = {rid: engine.requests[rid] for rid in ids}
-    streamed = {rid: "" for rid in ids}
-    tokens_seen = {rid: [] for rid in ids}
-    finished: list[str] = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            streamed[out.request_id] += out.new_text
-            if out.finished:
-                finished.append(out.request_id)
-        for rid, request in requests.items():
-            assert request.output_token_ids[: len(tokens_seen[rid])] == tokens_seen[rid], "a token changed"
-            tokens_seen[rid] = list(request.output_token_ids)
-        assert_blocks_held_once_per_holder(engine)
-    assert sorted(finished) == sorted(ids), "a request was lost or finished twice"
-    for rid, request in requests.items():
-        assert streamed[rid] == request.text  # the streamed text is exactly the final text
-    assert_nothing_left(engine)
-    return [requests[rid].output_token_ids for rid in ids], finished
-
-
-def assert_nothing_left(engine: PreemptionEngine) -> None:
-    assert not engine.requests and not engine.running and not engine.waiting and not engine.swapped
-    assert engine.allocator.num_used == 0 and not engine.block_tables
-    assert not engine.host_kv, "host (pinned) memory of a swapped request was not released"
+from tests.helpers import (PARITY_MAX_TOKENS, assert_matches_reference, assert_nothing_left, run_checked,
+                           step01_tokens)
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])

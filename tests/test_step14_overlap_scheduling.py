@@ -1,0 +1,169 @@
+"""step14_overlap_scheduling: each decode step launched before the host has processed the previous one gives
+the same tokens, with requests joining, leaving, stopping, being aborted or preempted meanwhile.
+
+On a CPU the launch-ahead path runs eagerly when asked for (`overlap=True`): the same bookkeeping, the same
+static buffers, the previous step's tokens read on the device; only nothing is captured.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.checks import staggered_generate
+from common.loading import LoadedModel, load_model
+from common.prompts import PARITY_PROMPTS
+from common.sampling import SamplingParams
+from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
+from step12_cuda_graph.decode_graphs import DecodeBatch
+from step14_overlap_scheduling.engine import (LaunchAheadBatch, LaunchAheadInputs, OverlapSchedulingEngine,
+                                              OverlapSchedulingEngineConfig)
+from tests.helpers import run_checked, step01_tokens
+
+
+def engine_for(tiny: LoadedModel, **config: object) -> OverlapSchedulingEngine:
+    return OverlapSchedulingEngine(tiny, OverlapSchedulingEngineConfig(device="cpu", attn="torch", **config))
+
+
+def test_previous_rows_are_laid_out_and_read_on_the_device() -> None:
+    """A launched-ahead row names the row of the step before whose token is its input; a plain row, and every
+    padded row, reads its own token."""
+    inputs = LaunchAheadInputs(max_batch=8, width=4, block_size=4, dummy_block=30, device=torch.device("cpu"))
+    batch = LaunchAheadBatch([0, 9, 0], [6, 2, 9], [[3, 4], [8], [12, 2, 5]], [SamplingParams()] * 3, [1, 1, 1],
+                             previous_rows=[2, -1, 0])
+    inputs.fill(batch, bucket=4)
+    assert inputs.previous_rows[:4].tolist() == [2, -1, 0, -1]
+    last_tokens = torch.tensor([101, 102, 103, 104, 0, 0, 0, 0])
+    assert inputs.token_inputs(4, last_tokens).tolist() == [103, 9, 101, 0]
+    inputs.fill(DecodeBatch([5], [3], [[1]], [SamplingParams()], [1]), bucket=2)  # a plain batch: no previous row
+    assert inputs.token_inputs(2, last_tokens).tolist() == [5, 0]
+
+
+def test_overlap_is_off_on_a_cpu_unless_asked_for(tiny: LoadedModel) -> None:
+    assert not engine_for(tiny, num_blocks=16).overlap
+    assert engine_for(tiny, num_blocks=16, overlap=True).overlap
+
+
+def test_overlap_needs_the_static_buffers(tiny: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="--no-cuda-graph"):
+        engine_for(tiny, num_blocks=16, overlap=True, cuda_graph=False)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, block_size: int, overlap: bool) -> None:
+    """Seven prompts, one arriving per step, with uneven lengths: the batch passes through 3, 5, 6 and 7
+    rows, none of them a bucket, and shrinks again as requests finish."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:7]]
+    params = [SamplingParams(max_tokens=6 + 3 * i) for i in range(7)]
+    expected = step01_tokens(tiny, prompts, params)
+    engine = engine_for(tiny, block_size=block_size, num_blocks=128, max_graph_batch=8, overlap=overlap)
+    assert [c.token_ids for c in staggered_generate(engine, prompts, params, arrive_every=1)] == expected
+    assert engine.allocator.num_used == 0 and not engine.requests
+    if overlap:  # arrivals join the step launched ahead (they were prefilled before it was launched), and
+        # nothing here (no swap, no preemption) changes a batch in a way the guess cannot cover: all are used
+        assert engine.steps_launched_ahead >= 20
+        assert engine.steps_taken_from_ahead == engine.steps_launched_ahead
+    else:
+        assert engine.steps_launched_ahead == 0
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_preemption_between_steps_changes_no_output(tiny: LoadedModel, preempt: str) -> None:
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
+    params = SamplingParams(max_tokens=24)
+    expected = step01_tokens(tiny, prompts, params)
+    longest_blocks = -(-(max(len(p) for p in prompts) + 24) // 4)
+    engine = engine_for(tiny, block_size=4, num_blocks=longest_blocks + 2, preempt=preempt, overlap=True)
+    outputs, _ = run_checked(engine, prompts, params)
+    assert outputs == expected
+    assert engine.preemptions >= 2 and engine.steps_launched_ahead > 0
+
+
+def test_an_arrival_takes_the_decoders_tokens_from_the_step_launched_ahead(tiny: LoadedModel) -> None:
+    """Two requests decode, each step launched ahead; a third arrives. The next step mixes its first chunk
+    with the decoders, whose tokens the step launched ahead has already computed: they are taken from it
+    (not computed twice), and every request still gets step 01's tokens."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:3]]
+    params = SamplingParams(max_tokens=12)
+    expected = step01_tokens(tiny, prompts, params)
+    engine = engine_for(tiny, block_size=4, num_blocks=128, overlap=True, max_num_batched_tokens=8)
+    ids = [engine.add_request(p, params) for p in prompts[:2]]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+
+    def step() -> None:
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+
+    while engine.prefill_pending() or engine.ahead is None:
+        step()
+    taken = engine.steps_taken_from_ahead
+    ids.append(engine.add_request(prompts[2], params))
+    tokens[ids[2]] = []
+    step()  # the new prompt's first chunk of 8 tokens, beside the two decoders
+    assert engine.steps_taken_from_ahead == taken + 1 and len(tokens[ids[2]]) == 0
+    while engine.has_unfinished():
+        step()
+    assert [tokens[i] for i in ids] == expected
+    assert engine.allocator.num_used == 0
+
+
+def test_abort_with_a_step_launched_ahead(tiny: LoadedModel) -> None:
+    """A request aborted while the step launched ahead computes its next token: everything it held is
+    freed, and the others get exactly the tokens they get alone."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
+    params = SamplingParams(max_tokens=16)
+    expected = step01_tokens(tiny, prompts, params)
+    engine = engine_for(tiny, block_size=4, num_blocks=128, overlap=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    aborted = engine.requests[ids[1]]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    for _ in range(5):
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert engine.ahead is not None and aborted in engine.ahead.row_of
+    engine.abort(ids[1])
+    assert not aborted.block_table
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert engine.allocator.num_used == 0
+    assert [tokens[i] for i in (ids[0], ids[2], ids[3])] == [expected[0], expected[2], expected[3]]
+    assert engine.steps_taken_from_ahead >= 10  # the shrunken batch still took the step launched ahead
+
+
+def test_overlap_stops_where_step07_stops(tiny: LoadedModel) -> None:
+    """Requests that end by a stop string, by a stop token, and at the context limit, while steps are launched
+    ahead: the same tokens, text and finish reasons as step 07, and nothing launched past the context."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
+    config = dict(device="cpu", block_size=4, num_blocks=128, attn="torch", max_model_len=max(map(len, prompts)) + 12)
+    free_run = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, SamplingParams(max_tokens=40))
+    params = [
+        SamplingParams(max_tokens=40, stop=[free_run[0].text[5:8]]),  # a stop string a few tokens in
+        SamplingParams(max_tokens=40, stop_token_ids=[free_run[1].token_ids[3]]),  # a stop token
+        SamplingParams(max_tokens=40),  # runs into the context limit
+        SamplingParams(max_tokens=7),  # ends by length
+    ]
+    expected = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
+    engine = OverlapSchedulingEngine(tiny, OverlapSchedulingEngineConfig(**config, overlap=True))
+    ours = engine.generate(prompts, params)
+    assert [(c.token_ids, c.text, c.finish_reason) for c in ours] == \
+        [(c.token_ids, c.text, c.finish_reason) for c in expected]
+    assert [c.finish_reason.value for c in expected] == ["stop", "stop", "length", "length"]
+    assert engine.steps_taken_from_ahead > 0 and engine.allocator.num_used == 0
+
+
+def test_seeded_sampling_is_step07s() -> None:
+    """The sampling variant draws exactly the tokens step 07's sampler draws (same seeds, same positions),
+    launched ahead or not."""
+    tiny = load_model("tiny-qwen3")
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:5]]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, top_k=k, seed=i) for i, k in
+              enumerate([0, 5, 0, 50, 0])]
+    params[2] = SamplingParams(max_tokens=12)  # a greedy row inside a sampling batch
+    config = dict(device="cpu", block_size=4, num_blocks=96, attn="torch")
+    theirs = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
+    for overlap in (False, True):
+        ours = OverlapSchedulingEngine(tiny, OverlapSchedulingEngineConfig(**config, overlap=overlap)).generate(
+            prompts, params)
+        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
