@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -25,6 +25,7 @@ from common.config import tiny_config
 from common.engine import EngineConfig
 from common.loading import LoadedModel, embedded_tokenizer, load_model, random_model
 from common.prompts import PARITY_PROMPTS
+from common.request import Request
 from common.reference import hf_model_for, reference_greedy
 from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
@@ -96,9 +97,9 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 
 def assert_blocks_held_once_per_holder(engine: Any) -> None:
-    """Every block in a block table is owned by the allocator, and held once per holder: by one request
-    before step 10, by as many requests as its reference count from step 10 on (a shared cached prefix)."""
-    held = Counter(b for table in engine.block_tables.values() for b in table)
+    """Every block in a request's block table is owned by the allocator, and held once per holder: by one
+    request before step 10, by as many requests as its reference count from step 10 on (a shared cached prefix)."""
+    held = Counter(b for request in engine.requests.values() for b in request.block_table)
     ref_counts = getattr(engine.allocator, "ref_counts", None)
     if ref_counts is None:
         assert all(n == 1 for n in held.values()), "a block is in two block tables"
@@ -107,10 +108,14 @@ def assert_blocks_held_once_per_holder(engine: Any) -> None:
     assert set(held) == engine.allocator.owned
 
 
-def assert_nothing_left(engine: PreemptionEngine) -> None:
-    assert not engine.requests and not engine.running and not engine.waiting and not engine.swapped
-    assert engine.allocator.num_used == 0 and not engine.block_tables
-    assert not engine.host_kv, "host (pinned) memory of a swapped request was not released"
+def assert_nothing_left(engine: Any, requests: Iterable[Request] = ()) -> None:
+    """The engine holds no request and no block; and each of `requests`, finished or aborted, holds nothing
+    either: no block, no host copy of its K/V."""
+    assert not engine.requests and not engine.running and not engine.waiting and not getattr(engine, "swapped", [])
+    assert engine.allocator.num_used == 0
+    for request in requests:
+        assert not request.block_table, f"{request.request_id} still holds blocks"
+        assert getattr(request, "host_kv", None) is None, "host (pinned) memory of a swapped request was not released"
 
 
 # ----- checked runs -----------------------------------------------------------------------------------------
@@ -137,7 +142,7 @@ def run_checked(engine: PreemptionEngine, prompts: list[list[int]], params: Samp
     assert sorted(finished) == sorted(ids), "a request was lost or finished twice"
     for rid, request in requests.items():
         assert streamed[rid] == request.text  # the streamed text is exactly the final text
-    assert_nothing_left(engine)
+    assert_nothing_left(engine, requests.values())
     return [requests[rid].output_token_ids for rid in ids], finished
 
 
@@ -187,10 +192,9 @@ class CheckedRun:
             for rid in got_token:
                 request = next(r for r in requests if r.request_id == rid)
                 if not request.finished:
-                    assert engine.num_computed[rid] == request.num_tokens - 1, "sampled before the last chunk"
+                    assert request.num_computed == request.num_tokens - 1, "sampled before the last chunk"
             assert_blocks_held_once_per_holder(engine)
-        assert_nothing_left(engine)
-        assert not engine.num_computed
+        assert_nothing_left(engine, requests)
         return [r.output_token_ids for r in requests]
 
 

@@ -34,7 +34,7 @@ def check_against_step01(loaded: LoadedModel, attn: str, block_size: int, arrive
                                                                       num_blocks=256, attn=attn))
     ours = staggered_generate(engine, prompts, params, arrive_every=arrive_every)
     assert_same_as_step01(loaded, prompts, ours, reference)
-    assert engine.allocator.num_used == 0 and not engine.block_tables
+    assert engine.allocator.num_used == 0 and not engine.requests
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -79,8 +79,7 @@ def test_metadata_maps_every_new_token_to_its_slot() -> None:
     a = engine.add_request([5] * 6, SamplingParams(max_tokens=4))
     b = engine.add_request([6] * 3, SamplingParams(max_tokens=4))
     requests = [engine.requests[a], engine.requests[b]]
-    engine.block_tables[a] = [9, 2]
-    engine.block_tables[b] = [7]
+    requests[0].block_table, requests[1].block_table = [9, 2], [7]
     meta, positions = engine.build_metadata(requests, [2, 3], [6, 3], is_prefill=True)
     assert positions.tolist() == [4, 5, 0, 1, 2]
     assert meta.slot_mapping.tolist() == [2 * 4 + 0, 2 * 4 + 1, 7 * 4 + 0, 7 * 4 + 1, 7 * 4 + 2]

@@ -51,7 +51,7 @@ def test_admitted_but_never_prefilled_is_put_back() -> None:
     while engine.has_unfinished():
         engine.step()
     assert [r.output_token_ids for r in requests] == expected
-    assert_nothing_left(engine)
+    assert_nothing_left(engine, requests)
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
@@ -84,7 +84,7 @@ def test_important_request_runs_at_once_and_finishes_first(preempt: str) -> None
     assert vip_request.output_token_ids == expected_vip
     assert [r.output_token_ids for r in low_requests] == expected_low
     assert engine.preemptions >= 1
-    assert_nothing_left(engine)
+    assert_nothing_left(engine, [*low_requests, vip_request])
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
@@ -93,12 +93,14 @@ def test_abort_of_preempted_requests_frees_everything(preempt: str) -> None:
     engine = PreemptionEngine(tiny, PreemptionEngineConfig(device="cpu", block_size=4, num_blocks=12,
                                                             attn="torch", preempt=preempt))
     ids = [engine.add_request([30 + i] * 9, SamplingParams(max_tokens=30)) for i in range(5)]
+    requests = [engine.requests[rid] for rid in ids]
     for _ in range(12):
         engine.step()
     assert engine.preemptions >= 1
+    assert preempt == "recompute" or any(r.host_kv is not None for r in requests)  # some K/V sits in host memory
     for rid in ids:
         engine.abort(rid)
-    assert_nothing_left(engine)
+    assert_nothing_left(engine, requests)
 
 
 @pytest.mark.embedded

@@ -82,14 +82,14 @@ def test_first_token_only_after_the_last_chunk_and_the_decoder_never_waits() -> 
     while not b.output_token_ids:
         a_tokens = len(a.output_token_ids)
         engine.step()
-        computed.append(engine.num_computed[b.request_id])
+        computed.append(b.num_computed)
         assert len(a.output_token_ids) == a_tokens + 1, "the decoder waited for the prefill"
     assert computed == [7, 14, 21, 28, 35, 40]  # chunks of budget 8 - 1 decoder, the last one short
     assert all(n < len(b_prompt) for n in computed[:-1])  # no token while the prompt was incomplete
     while engine.has_unfinished():
         engine.step()
     assert b.output_token_ids == hf_tokens(tiny, [b_prompt], 6)[0]
-    assert_nothing_left(engine)
+    assert_nothing_left(engine, [a, b])
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
@@ -103,29 +103,29 @@ def test_a_half_prefilled_request_is_preempted_and_still_gives_hfs_tokens(preemp
         engine.step()
     assert engine.preemptions == 1 and not b.output_token_ids
     if preempt == "swap":
-        assert b.status is RequestStatus.SWAPPED and 0 < engine.num_computed[b.request_id] < len(b_prompt)
+        assert b.status is RequestStatus.SWAPPED and 0 < b.num_computed < len(b_prompt) and b.host_kv is not None
     else:
-        assert b.status is RequestStatus.WAITING and b.request_id not in engine.num_computed
+        assert b.status is RequestStatus.WAITING and b.num_computed == 0 and not b.block_table
     while engine.has_unfinished():
         engine.step()
     assert [a.output_token_ids, b.output_token_ids] == [hf_tokens(tiny, [a_prompt], 30)[0],
                                                          hf_tokens(tiny, [b_prompt], 6)[0]]
-    assert_nothing_left(engine)
+    assert_nothing_left(engine, [a, b])
 
 
 def test_abort_mid_prefill_frees_everything() -> None:
     tiny, engine, a, b, a_prompt, _ = long_prompt_behind_a_decoder("recompute", num_blocks=64)
     engine.step()
     engine.step()
-    assert 0 < engine.num_computed[b.request_id] < len(b.prompt_token_ids)
+    assert 0 < b.num_computed < len(b.prompt_token_ids)
     used = engine.allocator.num_used
     engine.abort(b.request_id)
-    assert engine.allocator.num_used < used and b.request_id not in engine.num_computed
+    assert engine.allocator.num_used < used and not b.block_table
     assert engine.stats()["requests_prefilling"] == 0
     while engine.has_unfinished():
         engine.step()
     assert a.output_token_ids == hf_tokens(tiny, [a_prompt], 30)[0]
-    assert_nothing_left(engine)
+    assert_nothing_left(engine, [a, b])
 
 
 def test_priority_goes_first_within_the_budget() -> None:
@@ -136,10 +136,10 @@ def test_priority_goes_first_within_the_budget() -> None:
     low = engine.add_request(list(range(300, 340)), SamplingParams(max_tokens=4), priority=5)
     high = engine.add_request(list(range(400, 440)), SamplingParams(max_tokens=4), priority=0)
     engine.step()
-    assert engine.num_computed == {high: 16}
+    assert (engine.requests[high].num_computed, engine.requests[low].num_computed) == (16, 0)
     engine.step()
     engine.step()  # 32 + 8 of the high one, then 8 of the low one
-    assert engine.num_computed == {high: 40, low: 8}
+    assert (engine.requests[high].num_computed, engine.requests[low].num_computed) == (40, 8)
     assert len(engine.requests[high].output_token_ids) == 1
 
 
@@ -197,10 +197,10 @@ def test_abort_of_a_half_prefilled_request_in_host_memory_frees_it() -> None:
         if b.status is RequestStatus.SWAPPED:
             break
         engine.step()
-    assert b.status is RequestStatus.SWAPPED and b.request_id in engine.host_kv
+    assert b.status is RequestStatus.SWAPPED and b.host_kv is not None
     engine.abort(b.request_id)
-    assert b.request_id not in engine.host_kv and b.request_id not in engine.num_computed and not engine.swapped
+    assert b.host_kv is None and not engine.swapped
     while engine.has_unfinished():
         engine.step()
     assert a.output_token_ids == hf_tokens(tiny, [a_prompt], 30)[0]
-    assert_nothing_left(engine)
+    assert_nothing_left(engine, [a, b])

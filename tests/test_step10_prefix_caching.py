@@ -59,8 +59,8 @@ def test_blocks_are_counted_cached_then_evicted_least_recently_used_first() -> N
 def assert_idle(engine: PrefixCachingEngine) -> None:
     """Once every request is done, each block is free or cached, with no reference left."""
     pool = engine.allocator
-    assert not engine.requests and not engine.block_tables and not engine.num_computed and not engine.block_keys
-    assert pool.num_used == 0 and not pool.ref_counts and not engine.host_kv
+    assert not engine.requests and not engine.running and not engine.waiting and not engine.swapped
+    assert pool.num_used == 0 and not pool.ref_counts
     assert pool.num_free == pool.num_blocks and set(pool.cached) == set(pool.key_of_block)
 
 
@@ -138,7 +138,7 @@ def test_aborting_one_of_two_sharers_leaves_the_other_whole() -> None:
     a = engine.requests[engine.add_request(prompt + [7], SamplingParams(max_tokens=8))]
     b = engine.requests[engine.add_request(prompt + [9], SamplingParams(max_tokens=8))]
     engine.step()
-    shared = set(engine.block_tables[a.request_id]) & set(engine.block_tables[b.request_id])
+    shared = set(a.block_table) & set(b.block_table)
     assert len(shared) == 5 and all(engine.allocator.ref_counts[x] == 2 for x in shared)
     engine.abort(b.request_id)
     assert all(engine.allocator.ref_counts[x] == 1 for x in shared)

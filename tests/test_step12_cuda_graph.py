@@ -19,7 +19,7 @@ from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEn
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import TorchBackend
-from step12_cuda_graph.decode_graphs import SHORT_CONTEXT, DecodeGraphs, StaticDecodeInputs, graph_buckets
+from step12_cuda_graph.decode_graphs import SHORT_CONTEXT, DecodeBatch, DecodeGraphs, StaticDecodeInputs, graph_buckets
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
 from tests.helpers import PARITY_MAX_TOKENS, check_graphs_match_step06_on_cuda, run_checked, step01_tokens
 
@@ -33,7 +33,8 @@ def test_buckets_cover_every_batch_size() -> None:
 
 def test_padded_rows_point_at_the_dummy_block() -> None:
     inputs = StaticDecodeInputs(max_batch=8, width=5, block_size=4, dummy_block=30, device=torch.device("cpu"))
-    inputs.fill([7, 9, 11], [6, 1, 9], [[3, 4], [8], [12, 2, 5]], bucket=4)
+    inputs.fill(DecodeBatch([7, 9, 11], [6, 1, 9], [[3, 4], [8], [12, 2, 5]], [SamplingParams()] * 3, [1, 1, 1]),
+                bucket=4)
     assert inputs.input_ids[:4].tolist() == [7, 9, 11, 0]
     assert inputs.positions[:4].tolist() == [5, 0, 8, 0]
     assert inputs.seq_lens[:4].tolist() == [6, 1, 9, 1]
@@ -70,112 +71,30 @@ def test_cpu_says_it_runs_eagerly() -> None:
     assert engine.dummy_block == 16 and engine.cache.num_blocks == 17 and engine.allocator.num_blocks == 16
 
 
-@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, block_size: int, overlap: bool) -> None:
+def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, block_size: int) -> None:
     """Seven prompts, one arriving per step, with uneven lengths: the batch passes through 3, 5, 6 and 7
     rows, none of them a bucket, and shrinks again as requests finish."""
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:7]]
     params = [SamplingParams(max_tokens=6 + 3 * i) for i in range(7)]
     expected = step01_tokens(tiny, prompts, params)
     engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=block_size, num_blocks=128,
-                                                         attn="torch", max_graph_batch=8, overlap=overlap))
+                                                         attn="torch", max_graph_batch=8))
     assert [c.token_ids for c in staggered_generate(engine, prompts, params, arrive_every=1)] == expected
-    assert engine.allocator.num_used == 0 and not engine.block_tables
-    if overlap:  # arrivals join the step launched ahead (they were prefilled before it was launched), and
-        # nothing here (no swap, no preemption) changes a batch in a way the guess cannot cover: all are used
-        assert engine.steps_launched_ahead >= 20
-        assert engine.steps_taken_from_ahead == engine.steps_launched_ahead
-    else:
-        assert engine.steps_launched_ahead == 0
+    assert engine.allocator.num_used == 0 and not engine.requests
 
 
-@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
-def test_preemption_between_steps_changes_no_output(tiny: LoadedModel, preempt: str, overlap: bool) -> None:
+def test_preemption_between_steps_changes_no_output(tiny: LoadedModel, preempt: str) -> None:
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
     params = SamplingParams(max_tokens=24)
     expected = step01_tokens(tiny, prompts, params)
     longest_blocks = -(-(max(len(p) for p in prompts) + 24) // 4)
     engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=4, attn="torch",
-                                                         num_blocks=longest_blocks + 2, preempt=preempt,
-                                                         overlap=overlap))
+                                                         num_blocks=longest_blocks + 2, preempt=preempt))
     outputs, _ = run_checked(engine, prompts, params)
     assert outputs == expected
     assert engine.preemptions >= 2
-
-
-def test_an_arrival_takes_the_decoders_tokens_from_the_step_launched_ahead(tiny: LoadedModel) -> None:
-    """Two requests decode, each step launched ahead; a third arrives. The next step mixes its first chunk
-    with the decoders, whose tokens the step launched ahead has already computed: they are taken from it
-    (not computed twice), and every request still gets step 01's tokens."""
-    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:3]]
-    params = SamplingParams(max_tokens=12)
-    expected = step01_tokens(tiny, prompts, params)
-    engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=4, num_blocks=128, attn="torch",
-                                                         overlap=True, max_num_batched_tokens=8))
-    ids = [engine.add_request(p, params) for p in prompts[:2]]
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
-
-    def step() -> None:
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-
-    while engine.prefill_pending() or engine.ahead is None:
-        step()
-    taken = engine.steps_taken_from_ahead
-    ids.append(engine.add_request(prompts[2], params))
-    tokens[ids[2]] = []
-    step()  # the new prompt's first chunk of 8 tokens, beside the two decoders
-    assert engine.steps_taken_from_ahead == taken + 1 and len(tokens[ids[2]]) == 0
-    while engine.has_unfinished():
-        step()
-    assert [tokens[i] for i in ids] == expected
-    assert engine.allocator.num_used == 0 and not engine.block_tables
-
-
-def test_abort_with_a_step_launched_ahead(tiny: LoadedModel) -> None:
-    """A request aborted while the step launched ahead computes its next token: everything it held is
-    freed, and the others get exactly the tokens they get alone."""
-    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
-    params = SamplingParams(max_tokens=16)
-    expected = step01_tokens(tiny, prompts, params)
-    engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=4, num_blocks=128,
-                                                         attn="torch", overlap=True))
-    ids = [engine.add_request(p, params) for p in prompts]
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
-    for _ in range(5):
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    assert engine.ahead is not None and ids[1] in engine.ahead.rows
-    engine.abort(ids[1])
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    assert engine.allocator.num_used == 0 and not engine.block_tables
-    assert [tokens[i] for i in (ids[0], ids[2], ids[3])] == [expected[0], expected[2], expected[3]]
-    assert engine.steps_taken_from_ahead >= 10  # the shrunken batch still took the step launched ahead
-
-
-def test_overlap_stops_where_step07_stops(tiny: LoadedModel) -> None:
-    """Requests that end by a stop string, by a stop token, and at the context limit, while steps are launched
-    ahead: the same tokens, text and finish reasons as step 07, and nothing launched past the context."""
-    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
-    config = dict(device="cpu", block_size=4, num_blocks=128, attn="torch", max_model_len=max(map(len, prompts)) + 12)
-    free_run = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, SamplingParams(max_tokens=40))
-    params = [
-        SamplingParams(max_tokens=40, stop=[free_run[0].text[5:8]]),  # a stop string a few tokens in
-        SamplingParams(max_tokens=40, stop_token_ids=[free_run[1].token_ids[3]]),  # a stop token
-        SamplingParams(max_tokens=40),  # runs into the context limit
-        SamplingParams(max_tokens=7),  # ends by length
-    ]
-    expected = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
-    engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(**config, overlap=True))
-    ours = engine.generate(prompts, params)
-    assert [(c.token_ids, c.text, c.finish_reason) for c in ours] == \
-        [(c.token_ids, c.text, c.finish_reason) for c in expected]
-    assert [c.finish_reason.value for c in expected] == ["stop", "stop", "length", "length"]
-    assert engine.steps_taken_from_ahead > 0 and engine.allocator.num_used == 0
 
 
 def test_seeded_sampling_is_step07s() -> None:
@@ -187,9 +106,8 @@ def test_seeded_sampling_is_step07s() -> None:
     params[2] = SamplingParams(max_tokens=12)  # a greedy row inside a sampling batch
     config = dict(device="cpu", block_size=4, num_blocks=96, attn="torch")
     theirs = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
-    for overlap in (False, True):
-        ours = CudaGraphEngine(tiny, CudaGraphEngineConfig(**config, overlap=overlap)).generate(prompts, params)
-        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+    ours = CudaGraphEngine(tiny, CudaGraphEngineConfig(**config)).generate(prompts, params)
+    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
 
 
 @pytest.mark.embedded

@@ -18,7 +18,7 @@ from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step12_cuda_graph.decode_graphs import DecodeBatch
 from step14_overlap_scheduling.engine import (LaunchAheadBatch, LaunchAheadInputs, OverlapSchedulingEngine,
                                               OverlapSchedulingEngineConfig)
-from tests.helpers import run_checked, step01_tokens
+from tests.helpers import check_graphs_match_step06_on_cuda, run_checked, step01_tokens
 
 
 def engine_for(tiny: LoadedModel, **config: object) -> OverlapSchedulingEngine:
@@ -167,3 +167,16 @@ def test_seeded_sampling_is_step07s() -> None:
         ours = OverlapSchedulingEngine(tiny, OverlapSchedulingEngineConfig(**config, overlap=overlap)).generate(
             prompts, params)
         assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_captured_graphs_launched_ahead_match_step06_on_cuda(model: str) -> None:
+    """Step 12's test on the final engine: step 13's fused graphs, each step launched ahead."""
+    def make_engine(loaded: LoadedModel, num_blocks: int) -> OverlapSchedulingEngine:
+        engine = OverlapSchedulingEngine(loaded, OverlapSchedulingEngineConfig(
+            device="cuda", block_size=16, num_blocks=num_blocks, attn="triton", max_graph_batch=8))
+        assert engine.overlap
+        return engine
+
+    check_graphs_match_step06_on_cuda(model, make_engine)
