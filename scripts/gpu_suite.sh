@@ -210,6 +210,24 @@ burst_serve() {
     --max-tokens 16 --output "$OUT/burst-serve-cuda-random-qwen2.5-7b.json"
 }
 
+overlap() {
+  echo "== step14: the final engine against step 13 (no overlap) and step 12, batch 1/8/64; the host's work per step with and without overlap; the 256-request workload; a 16,000-token prompt beside 32 decoders"
+  python compare.py --device cuda --model random:qwen2.5-7b --batch-sizes 1,8,64 --max-tokens 128 --repeats 2 --no-hf \
+    --steps step12_cuda_graph,step13_fused_decode,step14_overlap_scheduling --output "$OUT/compare-cuda-random-qwen2.5-7b-step12-13-14.json"
+  python step14_overlap_scheduling/bench_overlap.py --device cuda --model random:qwen2.5-7b --batches 1,8,64 \
+    --output "$OUT/overlap-cuda-random-qwen2.5-7b.json"
+  python step14_overlap_scheduling/run.py --bench --workload nanovllm --model random:qwen3-0.6b --device cuda --no-hf \
+    --bench-output "$OUT/nanovllm-cuda-random-qwen3-0.6b-step14.json"
+  python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b --step step14_overlap_scheduling \
+    --scenarios stall --decoders 32 --long-prompt-len 16000 --budgets none,default \
+    --output "$OUT/long-prompt-cuda-random-qwen2.5-7b-step14.json"
+}
+
+all_tests() {
+  echo "== the whole test suite on CUDA, as a user with a GPU runs it (the embedded model's weights are not carried)"
+  python -m pytest -q -rs -m "not embedded" tests/ 2>&1 | grep --line-buffered -v "Loading weights" | tee "$OUT/pytest-all-cuda.txt"
+}
+
 sections=("$@")
 [ ${#sections[@]} -gt 0 ] || sections=(parity kernel_bench step01_bench compare compare_long prefill_vs_paged graphs_large matmul_bench profile_step step12_ablation compare_graphs sync_ablation checkpoint_memory preempt serve serve_graphs chunked_parity long_prompt burst burst_serve mixed_graphs prefill_kernel_bench prefix_caching)
 for section in "${sections[@]}"; do "$section"; done
