@@ -13,6 +13,7 @@ matplotlib is not installed).
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
@@ -32,8 +33,8 @@ from common.bench import (
     write_evidence,
 )
 from common.cli import CommandLineError, Parser, check_args, fail, parse_names, parse_sizes
-from common.engine import EngineConfig
-from common.loading import EMBEDDED_MODEL, ModelLoadError, load_model
+from common.engine import Engine, EngineConfig
+from common.loading import EMBEDDED_MODEL, LoadedModel, ModelLoadError, load_model
 from common.reference import hf_model_for
 from common.steps import STEP_NAMES, engine_class
 from step02_paged_kv.engine import PagedEngineConfig
@@ -76,6 +77,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_engine(name: str, loaded: LoadedModel, base: PagedEngineConfig, blocks: int, attn: str, largest_batch: int
+                 ) -> Engine:
+    """Step `name`'s engine on the shared model, with the KV pool every paged step gets."""
+    step_engine = engine_class(name)
+    if issubclass(step_engine.config_class, PagedAttentionEngineConfig):
+        config: EngineConfig = step_engine.config_class(**asdict(replace(base, num_blocks=blocks)), attn=attn)
+        if hasattr(config, "max_graph_batch"):  # capture graphs only up to the largest batch measured
+            config.max_graph_batch = largest_batch
+    elif issubclass(step_engine.config_class, PagedEngineConfig):
+        config = replace(base, num_blocks=blocks)
+    else:
+        config = EngineConfig(model=base.model, device=base.device, dtype=base.dtype)
+    return step_engine(loaded, config)
+
+
+def release_memory(device: torch.device) -> None:
+    """Give back what a dropped engine held (engines keep reference cycles: collect them first)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:  # every value checked before the model loads: a bad one is one line and exit code 2
@@ -97,38 +120,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Size the KV pool once for the largest workload, the same for every paged step.
     longest = max(len(p) + n for w in workloads for p, n in zip(w.prompts, w.output_lens))
     blocks = max(len(w.prompts) for w in workloads) * -(-longest // args.block_size) + 8
-    engines = {}
-    for name in steps:
-        step_engine = engine_class(name)
-        if issubclass(step_engine.config_class, PagedAttentionEngineConfig):
-            config: EngineConfig = step_engine.config_class(**asdict(replace(base, num_blocks=blocks)), attn=args.attn)
-            if hasattr(config, "max_graph_batch"):  # capture graphs only up to the largest batch measured
-                config.max_graph_batch = max(len(w.prompts) for w in workloads)
-        elif issubclass(step_engine.config_class, PagedEngineConfig):
-            config = replace(base, num_blocks=blocks)
-        else:
-            config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype)
-        engines[name] = step_engine(loaded, config)
-
     device = loaded.model.device
     # Taken before the runs: the commit and dirty flag describe the code that is about to run.
-    header = evidence_header(device, args.model, loaded.model.dtype, steps=list(engines), block_size=args.block_size,
+    header = evidence_header(device, args.model, loaded.model.dtype, steps=steps, block_size=args.block_size,
                              num_blocks=blocks, attn=args.attn, repeats=args.repeats, max_batch=max_batch,
                              hf_static_max_batch=args.hf_static_max_batch,
                              torch_threads=torch.get_num_threads())
     output = args.output or default_output("compare", device.type, args.model)
     runs = []
-    for workload in workloads:
-        warmup = Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens])
-        for name, engine in engines.items():
+    # One engine at a time, built just before its runs and dropped after them: engines on one GPU would each hold
+    # a KV pool, and a later engine may re-lay the shared weights out (step 13 packs its projections), which a
+    # graph captured earlier by another engine would still point at.
+    for name in steps:
+        engine = build_engine(name, loaded, base, blocks, args.attn, max(len(w.prompts) for w in workloads))
+        for workload in workloads:
             if len(workload.prompts) > max_batch.get(name, len(workload.prompts)):
                 print(f"[compare] {workload.name} {name}: skipped (--max-batch {name}={max_batch[name]})")
                 continue
             started = time.perf_counter()
-            run_engine(engine, warmup, name)
-            runs.append(median_of(lambda: run_engine(engine, workload, name), args.repeats))
+            run_engine(engine, Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens]), name)
+            runs.append(median_of(lambda: run_engine(engine, workload, name), args.repeats))  # noqa: B023
             print(f"[compare] {workload.name} {name}: {runs[-1].output_tok_per_s:.1f} tok/s "
                   f"({time.perf_counter() - started:.0f} s)", flush=True)
+        del engine
+        release_memory(device)
+        write_evidence(output, header, runs, workloads)  # after every step: a cut-short run keeps its figures
+    for workload in workloads:
+        warmup = Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens])
         if hf is not None:
             run_hf_generate(hf, warmup, pad)
             runs.append(median_of(lambda: run_hf_generate(hf, workload, pad), args.repeats))
@@ -141,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[compare] {workload.name} hf-generate-static: {runs[-1].output_tok_per_s:.1f} tok/s "
                   f"({time.perf_counter() - started:.0f} s with compiling)", flush=True)
         write_evidence(output, header, runs, workloads)  # after every batch size: a cut-short run keeps its figures
+    runs.sort(key=lambda run: run.batch)  # the table by batch size, each step's run and HF's side by side
     print(format_table(runs))
     evidence = write_evidence(output, header, runs, workloads)  # prints where
     try:
