@@ -55,8 +55,23 @@ def pivot(path: str, doc: dict) -> list[str]:
     return lines
 
 
+def overlap(path: str, doc: dict) -> list[str]:
+    """step14_overlap_scheduling/bench_overlap.py's evidence: per batch, a decode step's parts without and with
+    overlap (ms per step)."""
+    lines = ["| batch | GPU (replay alone) | host | step, no overlap | step, overlap | tok/s, no overlap | "
+             "tok/s, overlap | gain |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in doc["rows"]:
+        off, on, gpu = row["no_overlap"], row["overlap"], row["gpu_ms"]
+        lines.append(f"| {row['batch']} | {'-' if gpu is None else f'{gpu:.2f}'} | {off['host_ms']:.2f} | "
+                     f"{off['step_ms']:.2f} | {on['step_ms']:.2f} | {off['tokens_per_s']:.1f} | "
+                     f"{on['tokens_per_s']:.1f} | {on['tokens_per_s'] / off['tokens_per_s']:.2f}x |")
+    return lines
+
+
 def table_for(path: str, pivoted: bool) -> list[str]:
     doc = json.load(open(path, encoding="utf-8"))
+    if "runs" not in doc and "overlap" in doc.get("rows", [{}])[0]:
+        return [source_line(path, doc), *overlap(path, doc)]
     return [source_line(path, doc), *(pivot if pivoted else detailed)(path, doc)]
 
 

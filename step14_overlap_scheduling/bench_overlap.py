@@ -75,9 +75,10 @@ def replay_ms(engine: OverlapSchedulingEngine, batch: int, longest: int, repeats
 def decode_run(engine: OverlapSchedulingEngine, batch: int, prompt_len: int, max_tokens: int) -> dict[str, float]:
     """Prefill `batch` requests, then time their decode steps to the end."""
     workload = fixed_workload(batch, prompt_len, max_tokens)
-    for prompt in workload.prompts:
-        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    engine.step()  # the prefill (and first tokens): not a decode step
+    requests = [engine.requests[engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
+                for prompt in workload.prompts]
+    while not all(r.output_token_ids for r in requests):
+        engine.step()  # the prefill (in chunks of the token budget) and the first tokens: not decode steps
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     steps = 0
@@ -87,7 +88,7 @@ def decode_run(engine: OverlapSchedulingEngine, batch: int, prompt_len: int, max
             engine.step()
             steps += 1
         wall = time.perf_counter() - start
-    tokens = batch * (max_tokens - 1)
+    tokens = batch * (max_tokens - 1)  # all but each request's first token
     return {"decode_steps": steps, "step_ms": 1e3 * wall / steps, "host_ms": 1e3 * (wall - waited.seconds) / steps,
             "waiting_ms": 1e3 * waited.seconds / steps, "tokens_per_s": tokens / wall}
 
