@@ -224,7 +224,7 @@ def test_runs_is_ignored_by_git() -> None:
 BENCH_SCRIPTS = ["common/cli.py", "compare.py", "step06_paged_attention/kernel_bench.py",
                  "step07_preemption/bench_preempt.py", "step08_serve/bench_serve.py",
                  "step13_fused_decode/profile_step.py", "step13_fused_decode/matmul_bench.py",
-                 "step12_cuda_graph/bench_host.py", "step09_chunked_prefill/bench_long_prompt.py",
+                 "step14_overlap_scheduling/bench_host.py", "step09_chunked_prefill/bench_long_prompt.py",
                  "step09_chunked_prefill/bench_burst_serve.py", "step06_paged_attention/prefill_kernel_bench.py",
                  "step10_prefix_caching/bench_prefix.py"]
 
