@@ -91,7 +91,9 @@ def fail(err: Exception) -> int:
 
 
 # The smallest value of each numeric flag, by its name on the parsed namespace. `check_args` looks only at the
-# flags a parser has, and skips one left at None: not given, so the program picks a default later.
+# flags a parser has, and skips one left at None: not given, so the program picks a default later. Two belong to
+# later steps (09's token budget, 12's graph batch): one table lets every program (a step's run.py, the server,
+# compare.py) check every flag it was given in one place, before a model loads.
 MINIMUMS: dict[str, int] = {
     "max_tokens": 1, "prompt_len": 1, "repeats": 1, "max_num_seqs": 1, "max_model_len": 1, "block_size": 1,
     "num_blocks": 1, "max_graph_batch": 1, "max_num_batched_tokens": 1, "temperature": 0, "hf_static_max_batch": 0,
