@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from common.bench import (
+    RunMetrics,
     Workload,
     default_output,
     evidence_header,
@@ -92,6 +93,18 @@ def build_engine(name: str, loaded: LoadedModel, base: PagedEngineConfig, blocks
     return step_engine(loaded, config)
 
 
+def measure_step(name: str, engine: Engine, workloads: list[Workload], repeats: int) -> list[RunMetrics]:
+    """One step's engine on each workload, after a short warm-up on the same shapes."""
+    runs = []
+    for workload in workloads:
+        started = time.perf_counter()
+        run_engine(engine, Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens]), name)
+        runs.append(median_of(lambda: run_engine(engine, workload, name), repeats))  # noqa: B023 - called at once
+        print(f"[compare] {workload.name} {name}: {runs[-1].output_tok_per_s:.1f} tok/s "
+              f"({time.perf_counter() - started:.0f} s)", flush=True)
+    return runs
+
+
 def release_memory(device: torch.device) -> None:
     """Give back what a dropped engine held (engines keep reference cycles: collect them first)."""
     gc.collect()
@@ -132,16 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # a KV pool, and a later engine may re-lay the shared weights out (step 13 packs its projections), which a
     # graph captured earlier by another engine would still point at.
     for name in steps:
+        fits = [w for w in workloads if len(w.prompts) <= max_batch.get(name, len(w.prompts))]
+        for workload in (w for w in workloads if w not in fits):
+            print(f"[compare] {workload.name} {name}: skipped (--max-batch {name}={max_batch[name]})")
         engine = build_engine(name, loaded, base, blocks, args.attn, max(len(w.prompts) for w in workloads))
-        for workload in workloads:
-            if len(workload.prompts) > max_batch.get(name, len(workload.prompts)):
-                print(f"[compare] {workload.name} {name}: skipped (--max-batch {name}={max_batch[name]})")
-                continue
-            started = time.perf_counter()
-            run_engine(engine, Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens]), name)
-            runs.append(median_of(lambda: run_engine(engine, workload, name), args.repeats))  # noqa: B023
-            print(f"[compare] {workload.name} {name}: {runs[-1].output_tok_per_s:.1f} tok/s "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+        runs += measure_step(name, engine, fits, args.repeats)
         del engine
         release_memory(device)
         write_evidence(output, header, runs, workloads)  # after every step: a cut-short run keeps its figures

@@ -198,6 +198,21 @@ class CheckedRun:
         return [r.output_token_ids for r in requests]
 
 
+def seeded_sampling_case() -> tuple[LoadedModel, list[list[int]], list[SamplingParams], dict[str, Any], list[list[int]]]:
+    """Five prompts on tiny-qwen3 with seeded sampling (top-k, top-p, and one greedy row), an engine config, and
+    step 07's tokens for them: what a later step's static-buffer sampler must draw exactly."""
+    from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
+
+    tiny = load_model("tiny-qwen3")
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:5]]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, top_k=k, seed=i) for i, k in
+              enumerate([0, 5, 0, 50, 0])]
+    params[2] = SamplingParams(max_tokens=12)  # a greedy row inside a sampling batch
+    config: dict[str, Any] = dict(device="cpu", block_size=4, num_blocks=96, attn="torch")
+    expected = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
+    return tiny, prompts, params, config, [c.token_ids for c in expected]
+
+
 # ----- CUDA graphs ------------------------------------------------------------------------------------------
 
 

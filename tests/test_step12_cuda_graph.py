@@ -16,12 +16,12 @@ from common.prompts import PARITY_PROMPTS
 from common.reference import compare_greedy
 from common.sampling import SamplingParams
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
-from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import TorchBackend
 from step12_cuda_graph.decode_graphs import SHORT_CONTEXT, DecodeBatch, DecodeGraphs, StaticDecodeInputs, graph_buckets
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
-from tests.helpers import PARITY_MAX_TOKENS, check_graphs_match_step06_on_cuda, run_checked, step01_tokens
+from tests.helpers import (PARITY_MAX_TOKENS, check_graphs_match_step06_on_cuda, run_checked, seeded_sampling_case,
+                           step01_tokens)
 
 
 def test_buckets_cover_every_batch_size() -> None:
@@ -99,15 +99,9 @@ def test_preemption_between_steps_changes_no_output(tiny: LoadedModel, preempt: 
 
 def test_seeded_sampling_is_step07s() -> None:
     """The sampling variant draws exactly the tokens step 07's sampler draws (same seeds, same positions)."""
-    tiny = load_model("tiny-qwen3")
-    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:5]]
-    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, top_k=k, seed=i) for i, k in
-              enumerate([0, 5, 0, 50, 0])]
-    params[2] = SamplingParams(max_tokens=12)  # a greedy row inside a sampling batch
-    config = dict(device="cpu", block_size=4, num_blocks=96, attn="torch")
-    theirs = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
+    tiny, prompts, params, config, expected = seeded_sampling_case()
     ours = CudaGraphEngine(tiny, CudaGraphEngineConfig(**config)).generate(prompts, params)
-    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+    assert [c.token_ids for c in ours] == expected
 
 
 @pytest.mark.embedded

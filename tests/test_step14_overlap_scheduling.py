@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from common.checks import staggered_generate
-from common.loading import LoadedModel, load_model
+from common.loading import LoadedModel
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step12_cuda_graph.decode_graphs import DecodeBatch
 from step14_overlap_scheduling.engine import (LaunchAheadBatch, LaunchAheadInputs, OverlapSchedulingEngine,
                                               OverlapSchedulingEngineConfig)
-from tests.helpers import check_graphs_match_step06_on_cuda, run_checked, step01_tokens
+from tests.helpers import check_graphs_match_step06_on_cuda, run_checked, seeded_sampling_case, step01_tokens
 
 
 def engine_for(tiny: LoadedModel, **config: object) -> OverlapSchedulingEngine:
@@ -156,17 +156,11 @@ def test_overlap_stops_where_step07_stops(tiny: LoadedModel) -> None:
 def test_seeded_sampling_is_step07s() -> None:
     """The sampling variant draws exactly the tokens step 07's sampler draws (same seeds, same positions),
     launched ahead or not."""
-    tiny = load_model("tiny-qwen3")
-    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:5]]
-    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, top_k=k, seed=i) for i, k in
-              enumerate([0, 5, 0, 50, 0])]
-    params[2] = SamplingParams(max_tokens=12)  # a greedy row inside a sampling batch
-    config = dict(device="cpu", block_size=4, num_blocks=96, attn="torch")
-    theirs = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
+    tiny, prompts, params, config, expected = seeded_sampling_case()
     for overlap in (False, True):
         ours = OverlapSchedulingEngine(tiny, OverlapSchedulingEngineConfig(**config, overlap=overlap)).generate(
             prompts, params)
-        assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+        assert [c.token_ids for c in ours] == expected
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")
