@@ -184,10 +184,11 @@ def run_tour() -> int:
     results = [(step.name, *tour_step(step.name, step.idea, step.engine_class())) for step in STEPS]
     print("\n=== step08_serve: an OpenAI-compatible server over one step loop (tiny model, the openai SDK)")
     served_ok = server_dry_run(server_args([])) == 0
-    print("\nstep                     tok/s   parity")
+    width = max(len(name) for name, _, _ in results) + 2
+    print(f"\n{'step':<{width}}{'tok/s':>6}   parity")
     for name, tok_s, ok in results:
-        print(f"{name:<24}{tok_s:>6.1f}   {'OK' if ok else 'FAILED'}")
-    print(f"{'step08_serve':<24}{'-':>6}   {'OK' if served_ok else 'FAILED'} (streamed text equals the non-streamed)")
+        print(f"{name:<{width}}{tok_s:>6.1f}   {'OK' if ok else 'FAILED'}")
+    print(f"{'step08_serve':<{width}}{'-':>6}   {'OK' if served_ok else 'FAILED'} (streamed text equals the non-streamed)")
     return 0 if served_ok and all(ok for _, _, ok in results) else 1
 
 
