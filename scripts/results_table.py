@@ -58,8 +58,8 @@ def pivot(path: str, doc: dict) -> list[str]:
 def overlap(path: str, doc: dict) -> list[str]:
     """step14_overlap_scheduling/bench_overlap.py's evidence: per batch, a decode step's parts without and with
     overlap (ms per step)."""
-    lines = ["| batch | GPU (replay alone) | host | step, no overlap | step, overlap | tok/s, no overlap | "
-             "tok/s, overlap | gain |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | GPU (replay alone) | host | step, no overlap | step, overlap | decode tok/s, no overlap | "
+             "decode tok/s, overlap | gain |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in doc["rows"]:
         off, on, gpu = row["no_overlap"], row["overlap"], row["gpu_ms"]
         lines.append(f"| {row['batch']} | {'-' if gpu is None else f'{gpu:.2f}'} | {off['host_ms']:.2f} | "

@@ -140,7 +140,8 @@ class StaticDecodeInputs:
         return per_row | {"block_table": buffer[len(self.FIELDS) * b :].view(b, self.width)}
 
     def token_inputs(self, bucket: int, last_tokens: torch.Tensor) -> torch.Tensor:
-        """The input token of each of `bucket` rows, given the tokens the last replay sampled (unused here)."""
+        """The input token of each of `bucket` rows. `last_tokens`, what the last replay sampled, is unused here: a
+        method, so that step 14 can read some rows' inputs from it on the device."""
         return self.input_ids[:bucket]
 
     def wait_for_last_copy(self) -> None:

@@ -198,6 +198,15 @@ class CheckedRun:
         return [r.output_token_ids for r in requests]
 
 
+def tight_pool_case(tiny: LoadedModel) -> tuple[list[list[int]], SamplingParams, list[list[int]], int]:
+    """Eight prompts of 24 new tokens each, step 01's tokens for them, and a pool of 4-token blocks that holds the
+    longest request and two blocks more: tight enough that requests are preempted between steps."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
+    params = SamplingParams(max_tokens=24)
+    longest_blocks = -(-(max(len(p) for p in prompts) + 24) // 4)
+    return prompts, params, step01_tokens(tiny, prompts, params), longest_blocks + 2
+
+
 def seeded_sampling_case() -> tuple[LoadedModel, list[list[int]], list[SamplingParams], dict[str, Any], list[list[int]]]:
     """Five prompts on tiny-qwen3 with seeded sampling (top-k, top-p, and one greedy row), an engine config, and
     step 07's tokens for them: what a later step's static-buffer sampler must draw exactly."""

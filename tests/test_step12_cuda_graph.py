@@ -21,7 +21,7 @@ from step06_paged_attention.backends import TorchBackend
 from step12_cuda_graph.decode_graphs import SHORT_CONTEXT, DecodeBatch, DecodeGraphs, StaticDecodeInputs, graph_buckets
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
 from tests.helpers import (PARITY_MAX_TOKENS, check_graphs_match_step06_on_cuda, run_checked, seeded_sampling_case,
-                           step01_tokens)
+                           step01_tokens, tight_pool_case)
 
 
 def test_buckets_cover_every_batch_size() -> None:
@@ -86,12 +86,9 @@ def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, blo
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 def test_preemption_between_steps_changes_no_output(tiny: LoadedModel, preempt: str) -> None:
-    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
-    params = SamplingParams(max_tokens=24)
-    expected = step01_tokens(tiny, prompts, params)
-    longest_blocks = -(-(max(len(p) for p in prompts) + 24) // 4)
+    prompts, params, expected, num_blocks = tight_pool_case(tiny)
     engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=4, attn="torch",
-                                                         num_blocks=longest_blocks + 2, preempt=preempt))
+                                                         num_blocks=num_blocks, preempt=preempt))
     outputs, _ = run_checked(engine, prompts, params)
     assert outputs == expected
     assert engine.preemptions >= 2

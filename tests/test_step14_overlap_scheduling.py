@@ -18,7 +18,8 @@ from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step12_cuda_graph.decode_graphs import DecodeBatch
 from step14_overlap_scheduling.engine import (LaunchAheadBatch, LaunchAheadInputs, OverlapSchedulingEngine,
                                               OverlapSchedulingEngineConfig)
-from tests.helpers import check_graphs_match_step06_on_cuda, run_checked, seeded_sampling_case, step01_tokens
+from tests.helpers import (check_graphs_match_step06_on_cuda, run_checked, seeded_sampling_case, step01_tokens,
+                           tight_pool_case)
 
 
 def engine_for(tiny: LoadedModel, **config: object) -> OverlapSchedulingEngine:
@@ -70,11 +71,8 @@ def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, blo
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 def test_preemption_between_steps_changes_no_output(tiny: LoadedModel, preempt: str) -> None:
-    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:8]]
-    params = SamplingParams(max_tokens=24)
-    expected = step01_tokens(tiny, prompts, params)
-    longest_blocks = -(-(max(len(p) for p in prompts) + 24) // 4)
-    engine = engine_for(tiny, block_size=4, num_blocks=longest_blocks + 2, preempt=preempt, overlap=True)
+    prompts, params, expected, num_blocks = tight_pool_case(tiny)
+    engine = engine_for(tiny, block_size=4, num_blocks=num_blocks, preempt=preempt, overlap=True)
     outputs, _ = run_checked(engine, prompts, params)
     assert outputs == expected
     assert engine.preemptions >= 2 and engine.steps_launched_ahead > 0
