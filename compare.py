@@ -18,29 +18,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from common.bench import (
-    RunMetrics,
-    Workload,
-    default_output,
-    evidence_header,
-    fixed_workload,
-    format_table,
-    median_of,
-    run_engine,
-    run_hf_generate,
-    write_evidence,
-)
 from common.cli import CommandLineError, Parser, check_args, fail, parse_names, parse_sizes
-from common.engine import Engine, EngineConfig
-from common.loading import EMBEDDED_MODEL, LoadedModel, ModelLoadError, load_model
-from common.reference import hf_model_for
+from common.config import EMBEDDED_MODEL
 from common.steps import STEP_NAMES, engine_class
-from step02_paged_kv.engine import PagedEngineConfig
-from step06_paged_attention.backends import ATTENTION_BACKENDS
-from step06_paged_attention.engine import PagedAttentionEngineConfig
+from step06_paged_attention.run import ATTENTION_BACKENDS
+
+if TYPE_CHECKING:  # for the annotations only: torch and the engines load once the command line is accepted
+    import torch
+
+    from common.bench import RunMetrics, Workload
+    from common.engine import Engine
+    from common.loading import LoadedModel
+    from step02_paged_kv.engine import PagedEngineConfig
 
 
 def parse_max_batch(specs: list[str]) -> dict[str, int]:
@@ -81,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 def build_engine(name: str, loaded: LoadedModel, base: PagedEngineConfig, blocks: int, attn: str, largest_batch: int
                  ) -> Engine:
     """Step `name`'s engine on the shared model, with the KV pool every paged step gets."""
+    from common.engine import EngineConfig
+    from step02_paged_kv.engine import PagedEngineConfig
+    from step06_paged_attention.engine import PagedAttentionEngineConfig
+
     step_engine = engine_class(name)
     if issubclass(step_engine.config_class, PagedAttentionEngineConfig):
         config: EngineConfig = step_engine.config_class(**asdict(replace(base, num_blocks=blocks)), attn=attn)
@@ -95,6 +90,8 @@ def build_engine(name: str, loaded: LoadedModel, base: PagedEngineConfig, blocks
 
 def measure_step(name: str, engine: Engine, workloads: list[Workload], repeats: int) -> list[RunMetrics]:
     """One step's engine on each workload, after a short warm-up on the same shapes."""
+    from common.bench import Workload, median_of, run_engine
+
     runs = []
     for workload in workloads:
         started = time.perf_counter()
@@ -107,6 +104,8 @@ def measure_step(name: str, engine: Engine, workloads: list[Workload], repeats: 
 
 def release_memory(device: torch.device) -> None:
     """Give back what a dropped engine held (engines keep reference cycles: collect them first)."""
+    import torch
+
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -121,6 +120,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_batch = parse_max_batch(args.max_batch)
     except CommandLineError as err:
         return fail(err)
+    # Only now, with the command line accepted, do torch, transformers and the engines load.
+    import torch
+
+    from common.bench import (
+        Workload,
+        default_output,
+        evidence_header,
+        fixed_workload,
+        format_table,
+        median_of,
+        run_hf_generate,
+        write_evidence,
+    )
+    from common.loading import ModelLoadError, load_model
+    from common.reference import hf_model_for
+    from step02_paged_kv.engine import PagedEngineConfig
 
     base = PagedEngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size)
     try:

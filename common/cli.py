@@ -5,11 +5,15 @@
     .venv/bin/python stepNN_name/run.py --bench              # throughput against HF generate(), JSON evidence in runs/
     .venv/bin/python stepNN_name/run.py --prompts-file p.txt --output-json out.json --max-tokens 64
 
-A step with its own switches passes `add_arguments` and an engine whose `config_class` has matching fields.
+A step with its own switches passes `add_arguments`; its engine's `config_class` has fields of the same names.
 
 Every value is checked before anything loads (`check_args`): a bad one ends the program with one line on
 stderr that says what to give instead, `error: --max-tokens must be at least 1 (got 0)`, and exit code 2.
 compare.py, step 08's server and the benchmark scripts use the same checks and the same `Parser`.
+
+Parsing and checking import no torch, transformers or engine: those take seconds to load, so this module imports
+them inside the functions that run once the command line is accepted, and `--help` or a refused value answers
+at once. The engine is looked up by the step's name in common/steps.py.
 """
 
 from __future__ import annotations
@@ -21,31 +25,15 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-import torch
-
-from common.bench import (
-    Workload,
-    default_output,
-    evidence_header,
-    fixed_workload,
-    format_table,
-    median_of,
-    nanovllm_workload,
-    run_engine,
-    run_hf_generate,
-    write_evidence,
-    write_json,
-)
-from common.checks import check_against_reference, staggered_generate
-from common.config import TINY_ARCHES
-from common.engine import Engine
-from common.loading import EMBEDDED_MODEL, ModelLoadError, model_names_help
+from common.config import EMBEDDED_MODEL, TINY_ARCHES, model_names_help
 from common.prompts import DEMO_PROMPTS
-from common.reference import hf_model_for
-from common.request import Completion
-from common.sampling import SamplingParams
+from common.steps import find_step
+
+if TYPE_CHECKING:  # for the annotations only (they load torch)
+    from common.engine import Engine
+    from common.request import Completion
 
 
 # ----- checking the command line ---------------------------------------------------------------------------
@@ -128,6 +116,8 @@ def parse_names(flag: str, text: str, allowed: Collection[str]) -> list[str]:
 
 def available_devices() -> list[str]:
     """The devices this machine has, as --device names them."""
+    import torch  # here, not at the top: only a --device other than auto needs it
+
     devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     if torch.backends.mps.is_available():
         devices.append("mps")
@@ -207,18 +197,25 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 def main(
-    engine_class: type[Engine],
     step_name: str,
     description: str | None,
     argv: Sequence[str] | None = None,
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> int:
+    """The run.py of step `step_name`: its command line checked, then its engine (named in common/steps.py) run."""
     parser = build_parser(description or step_name)
     if add_arguments:
         add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         check_args(args)  # before any model loads
+    except CommandLineError as err:
+        return fail(err)
+    # Only now, with the command line accepted, do torch, transformers and the engine load.
+    from common.loading import ModelLoadError
+
+    try:
+        engine_class = find_step(step_name).engine_class()
         if args.dry_run:
             return dry_run(engine_class, args)
         if args.bench:
@@ -239,6 +236,8 @@ def read_prompts(path: Path | None) -> list[str]:
 
 
 def report_parity(engine: Engine, prompt_ids: list[list[int]], completions: list[Completion], max_tokens: int) -> bool:
+    from common.checks import check_against_reference  # loads transformers: only once a run has started
+
     reports = check_against_reference(engine, prompt_ids, completions, max_tokens)
     for i, report in enumerate(reports):
         print(f"  prompt {i:2d}: {len(completions[i].token_ids):3d} tokens, {report.describe()}")
@@ -251,6 +250,9 @@ def report_parity(engine: Engine, prompt_ids: list[list[int]], completions: list
 
 def run_prompts(engine_class: type[Engine], args: argparse.Namespace) -> int:
     """The default run: generate for each prompt, print it, and check it against HF generate()."""
+    from common.bench import write_json  # loads torch: only once the command line is accepted
+    from common.sampling import SamplingParams
+
     prompts = read_prompts(args.prompts_file)
     max_tokens = 48 if args.max_tokens is None else args.max_tokens
     engine = engine_class.from_args(args)
@@ -280,6 +282,9 @@ def run_prompts(engine_class: type[Engine], args: argparse.Namespace) -> int:
 
 def dry_run(engine_class: type[Engine], args: argparse.Namespace) -> int:
     """Tiny random models of every architecture, requests arriving while others decode, checked against HF."""
+    from common.checks import staggered_generate  # loads torch: only once the command line is accepted
+    from common.sampling import SamplingParams
+
     config_class = engine_class.config_class
     ok = True
     for arch in TINY_ARCHES:
@@ -298,6 +303,22 @@ def dry_run(engine_class: type[Engine], args: argparse.Namespace) -> int:
 
 def bench(engine_class: type[Engine], step_name: str, args: argparse.Namespace) -> int:
     """This step against HF generate() on the same weights and workload; writes JSON evidence."""
+    import torch  # these load torch and transformers: only once the command line is accepted
+
+    from common.bench import (
+        Workload,
+        default_output,
+        evidence_header,
+        fixed_workload,
+        format_table,
+        median_of,
+        nanovllm_workload,
+        run_engine,
+        run_hf_generate,
+        write_evidence,
+    )
+    from common.reference import hf_model_for
+
     engine = engine_class.from_args(args)
     max_tokens = 128 if args.max_tokens is None else args.max_tokens
     if args.workload == "nanovllm":

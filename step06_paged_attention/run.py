@@ -13,8 +13,10 @@ import sys
 
 from common.cli import main
 from step02_paged_kv.run import add_arguments as add_step02_arguments
-from step06_paged_attention.backends import ATTENTION_BACKENDS
-from step06_paged_attention.engine import PagedAttentionEngine
+
+# backends.py's ATTENTION_BACKENDS, written out: importing backends.py loads torch, which --help should not wait
+# for (tests/test_cli_flags.py keeps the two equal).
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,4 +36,4 @@ if __name__ == "__main__":
         from step06_paged_attention.kernel_bench import main as kernel_bench
 
         raise SystemExit(kernel_bench([a for a in sys.argv[1:] if a != "--kernel-bench"]))
-    raise SystemExit(main(PagedAttentionEngine, "step06_paged_attention", __doc__, add_arguments=add_arguments))
+    raise SystemExit(main("step06_paged_attention", __doc__, add_arguments=add_arguments))

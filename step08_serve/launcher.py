@@ -8,10 +8,10 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import torch
-import uvicorn
-from fastapi import FastAPI
+if TYPE_CHECKING:  # for the annotations only: run.py reads DEFAULT_STEP before anything heavy loads
+    from fastapi import FastAPI
 
 # The server drives any step of common/steps.py (`--step`). The default is the most capable step for the
 # device: on a GPU, step 14 (graphs, fused decode, the host overlapped); elsewhere step 10 (step 09's budget, and
@@ -22,6 +22,8 @@ DEFAULT_STEP = {"cuda": "step14_overlap_scheduling", "cpu": "step10_prefix_cachi
 
 def default_step(device: str) -> str:
     """The step that serves when --step is not given, for the --device given (auto: cuda if there is one)."""
+    import torch  # only to ask whether there is a GPU (--device auto), before the command line is parsed
+
     on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     return DEFAULT_STEP["cuda" if on_cuda else "cpu"]
 
@@ -35,6 +37,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 @contextlib.contextmanager
 def running_server(app: FastAPI, host: str = "127.0.0.1", port: int | None = None) -> Iterator[str]:
     """Serve `app` from a background thread; yields the base URL and stops the server on exit."""
+    import uvicorn
+
     port = port or free_port(host)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)

@@ -18,17 +18,17 @@ import argparse
 import importlib
 import os
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-import uvicorn
-from fastapi import FastAPI
-
-from common.cli import Parser, check_args, fail
-from common.engine import Engine
-from common.loading import EMBEDDED_MODEL, ModelLoadError, model_names_help
+from common.cli import CommandLineError, Parser, check_args, fail
+from common.config import EMBEDDED_MODEL, model_names_help
 from common.steps import STEP_NAMES, engine_class
-from step08_serve.api_server import create_app
-from step08_serve.async_engine import AsyncEngine
 from step08_serve.launcher import DEFAULT_STEP, default_step, running_server
+
+if TYPE_CHECKING:  # for the annotations only: the command line is checked before the engine and server load
+    from fastapi import FastAPI
+
+    from common.engine import Engine
 
 
 def step_arguments(step: str) -> Callable[[argparse.ArgumentParser], None] | None:
@@ -90,6 +90,9 @@ def build_engine(args: argparse.Namespace) -> Engine:
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:
+    from step08_serve.api_server import create_app  # these load torch and the web framework: not for --help
+    from step08_serve.async_engine import AsyncEngine
+
     async_engine = AsyncEngine(build_engine(args))
     return create_app(async_engine, args.served_model_name or args.model, args.model, args.api_key)
 
@@ -119,10 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         check_args(args)  # the same checks as every step's run.py, before the model loads
+    except CommandLineError as err:
+        return fail(err)
+    # Only now, with the command line accepted, do torch, transformers, the engine and the server load.
+    import uvicorn
+
+    from common.loading import ModelLoadError
+
+    try:
         if args.dry_run:
             return dry_run(args)
         app = build_app(args)
-    except (ModelLoadError, ValueError) as err:  # CommandLineError is a ValueError
+    except (ModelLoadError, ValueError) as err:
         return fail(err)
     print(f"serving {args.model} with {args.step} on http://{args.host}:{args.port}/v1")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

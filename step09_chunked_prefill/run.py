@@ -11,7 +11,6 @@ import argparse
 
 from common.cli import main, refuse_flag
 from step07_preemption.run import add_arguments as add_step07_arguments
-from step09_chunked_prefill.engine import CPU_TOKEN_BUDGET, GPU_STEP_FLOPS, ChunkedPrefillEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,11 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     refuse_flag(parser, "--batched-prefill", "--no-batched-prefill",
                 why="prompts are prefilled in chunks under the token budget (--max-num-batched-tokens)")
     chunked = parser.add_argument_group("chunked prefill")
+    # The defaults are engine.py's CPU_TOKEN_BUDGET and GPU_STEP_FLOPS, written out: importing the engine loads
+    # torch, which --help should not wait for (tests/test_cli_flags.py keeps them equal).
     chunked.add_argument("--max-num-batched-tokens", type=int, default=None,
-                         help=f"tokens one step may compute: every decoder's, then prefill chunks (default: "
-                              f"{CPU_TOKEN_BUDGET} on a CPU; on a GPU about {GPU_STEP_FLOPS / 1e12:g} TFLOP of the "
-                              f"model's layers, 512 tokens of a 7B model)")
+                         help="tokens one step may compute: every decoder's, then prefill chunks (default: "
+                              "512 on a CPU; on a GPU about 8 TFLOP of the model's layers, 512 tokens of a 7B model)")
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(ChunkedPrefillEngine, "step09_chunked_prefill", __doc__, add_arguments=add_arguments))
+    raise SystemExit(main("step09_chunked_prefill", __doc__, add_arguments=add_arguments))

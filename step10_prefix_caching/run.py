@@ -10,7 +10,6 @@ import argparse
 
 from common.cli import main
 from step09_chunked_prefill.run import add_arguments as add_step09_arguments
-from step10_prefix_caching.engine import PrefixCachingEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,4 +20,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(PrefixCachingEngine, "step10_prefix_caching", __doc__, add_arguments=add_arguments))
+    raise SystemExit(main("step10_prefix_caching", __doc__, add_arguments=add_arguments))

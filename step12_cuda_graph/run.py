@@ -12,7 +12,6 @@ import argparse
 
 from common.cli import main
 from step10_prefix_caching.run import add_arguments as add_step10_arguments
-from step12_cuda_graph.engine import CudaGraphEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,4 +27,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(CudaGraphEngine, "step12_cuda_graph", __doc__, add_arguments=add_arguments))
+    raise SystemExit(main("step12_cuda_graph", __doc__, add_arguments=add_arguments))

@@ -12,7 +12,6 @@ import argparse
 
 from common.cli import main
 from step12_cuda_graph.run import add_arguments as add_step12_arguments
-from step13_fused_decode.engine import FusedDecodeEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,4 +30,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(FusedDecodeEngine, "step13_fused_decode", __doc__, add_arguments=add_arguments))
+    raise SystemExit(main("step13_fused_decode", __doc__, add_arguments=add_arguments))

@@ -12,7 +12,6 @@ import argparse
 
 from common.cli import main
 from step13_fused_decode.run import add_arguments as add_step13_arguments
-from step14_overlap_scheduling.engine import OverlapSchedulingEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,4 +24,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(OverlapSchedulingEngine, "step14_overlap_scheduling", __doc__, add_arguments=add_arguments))
+    raise SystemExit(main("step14_overlap_scheduling", __doc__, add_arguments=add_arguments))

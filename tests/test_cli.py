@@ -1,5 +1,6 @@
-"""The command line: a bad value is one line on stderr and exit code 2 before anything loads; benchmarks write
-under the ignored runs/, never over the committed evidence in results/."""
+"""The command line: a bad value is one line on stderr and exit code 2 before anything loads, and neither it nor
+--help waits for torch; benchmarks write under the ignored runs/, never over the committed evidence in results/
+nor over an earlier run's."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import compare
 from common import cli
 from common.bench import RUNS_DIR, default_output
 from common.engine import EngineConfig
+from common.steps import STEP_NAMES
 from step02_paged_kv.run import add_arguments
 from step08_serve.run import build_parser as build_server_parser
 
@@ -71,6 +73,46 @@ def test_bad_value_is_one_line_and_exit_2_before_loading(script: str, argv: list
     assert "Traceback" not in proc.stderr
     assert proc.stdout == "", "printed before the check: the run had started"
     assert not any(cache.iterdir()), "a model was loaded before the command line was checked"
+
+
+# Runs a program as `python PROGRAM ARGS...` would, then prints which of the modules that take seconds to import
+# it had loaded by the time it ended.
+RUN_AND_NAME_HEAVY_MODULES = """
+import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    print("heavy modules loaded:", sorted({"torch", "transformers"} & set(sys.modules)))
+"""
+
+ANSWERED_BEFORE_TORCH = [
+    *(pytest.param(f"{name}/run.py", ["--help"], 0, "", id=f"{name}-help") for name in STEP_NAMES),
+    pytest.param("step01_serial/run.py", ["--max-tokens", "0"], 2, "error: --max-tokens must be at least 1 (got 0)\n",
+                 id="max-tokens-0"),
+    pytest.param("step07_preemption/run.py", ["--preempt", "never"], 2, "error: argument --preempt: invalid choice",
+                 id="preempt-choice"),
+    pytest.param("step09_chunked_prefill/run.py", ["--batched-prefill"], 2, "error: --batched-prefill does nothing",
+                 id="refused-flag"),
+    # With --step given, the server need not ask torch whether there is a GPU to pick its default step.
+    pytest.param("step08_serve/run.py", ["--step", "step10_prefix_caching", "--help"], 0, "", id="server-help"),
+    pytest.param("step08_serve/run.py", ["--step", "step10_prefix_caching", "--port", "0"], 2,
+                 "error: --port must be between 1 and 65535", id="server-port"),
+    pytest.param("compare.py", ["--help"], 0, "", id="compare-help"),
+    pytest.param("compare.py", ["--repeats", "0"], 2, "error: --repeats must be at least 1", id="compare-repeats"),
+]
+
+
+@pytest.mark.parametrize(("script", "argv", "code", "stderr"), ANSWERED_BEFORE_TORCH)
+def test_help_and_refusals_load_neither_torch_nor_transformers(script: str, argv: list[str], code: int,
+                                                               stderr: str) -> None:
+    """Torch and transformers take seconds to import (half a minute on a busy 2-core machine): a program imports
+    them only once its command line is accepted."""
+    proc = subprocess.run([sys.executable, "-c", RUN_AND_NAME_HEAVY_MODULES, script, *argv], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stderr.startswith(stderr), proc.stderr
+    assert proc.stdout.splitlines()[-1] == "heavy modules loaded: []", proc.stderr
 
 
 # ----- the checks themselves --------------------------------------------------------------------------------
@@ -194,9 +236,7 @@ def test_argparse_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_main_returns_2_without_loading(capsys: pytest.CaptureFixture[str]) -> None:
     """In-process too: main() returns 2 (it does not raise), and says nothing on stdout."""
-    from step01_serial.engine import SerialEngine
-
-    assert cli.main(SerialEngine, "step01_serial", None, ["--max-tokens", "0"]) == 2
+    assert cli.main("step01_serial", None, ["--max-tokens", "0"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == "error: --max-tokens must be at least 1 (got 0)\n"
 

@@ -74,3 +74,19 @@ def test_prefill_flags_of_steps_06_and_07_are_refused_from_step_09_on(
 def test_prefill_flag_still_works_in_step_07() -> None:
     step07 = next(s for s in STEPS if s.name == "step07_preemption")
     assert step_parser(step07).parse_args(["--no-batched-prefill"]).batched_prefill is False
+
+
+def test_what_a_run_py_writes_out_is_its_engines() -> None:
+    """Steps 06, 07 and 09's run.py write out a few names and figures of their engine: importing the engine would
+    load torch before --help could answer. They must stay the engine's."""
+    from step06_paged_attention import backends
+    from step06_paged_attention import run as step06_run
+    from step07_preemption import engine as step07_engine
+    from step07_preemption import run as step07_run
+    from step09_chunked_prefill.engine import CPU_TOKEN_BUDGET, GPU_STEP_FLOPS
+
+    assert step06_run.ATTENTION_BACKENDS == backends.ATTENTION_BACKENDS
+    assert step07_run.PREEMPT_MODES == step07_engine.PREEMPT_MODES
+    step09 = next(s for s in STEPS if s.name == "step09_chunked_prefill")
+    help_text = " ".join(step_parser(step09).format_help().split())  # argparse wraps the lines
+    assert f"{CPU_TOKEN_BUDGET} on a CPU; on a GPU about {GPU_STEP_FLOPS / 1e12:g} TFLOP" in help_text

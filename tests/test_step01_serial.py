@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 def run_cli(*argv: str) -> int:
     from common.cli import main
 
-    return main(SerialEngine, "step01_serial", RUN_DOC, list(argv))
+    return main("step01_serial", RUN_DOC, list(argv))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
