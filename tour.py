@@ -15,6 +15,8 @@ import textwrap
 import time
 from typing import NamedTuple
 
+from transformers.utils import logging as transformers_logging
+
 from common.checks import check_against_reference
 from common.engine import Engine
 from common.prompts import DEMO_PROMPTS
@@ -179,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_tour() -> int:
+    # Each step's parity check loads the HF model again: its "Loading weights" bar would repeat for every step.
+    transformers_logging.disable_progress_bar()
     print(f"The tour runs {len(STEPS)} engines on the embedded SmolLM2-135M-Instruct, on the CPU, "
           f"{len(DEMO_PROMPTS)} prompts x {MAX_TOKENS} tokens each, then step 08's server.")
     results = [(step.name, *tour_step(step.name, step.idea, step.engine_class())) for step in STEPS]

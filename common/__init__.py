@@ -1,0 +1,12 @@
+"""What the steps share: the model, its loading, tokenizer and sampling, the engine interface, the command line
+and the benchmark harness."""
+
+import os
+import sys
+
+# Progress bars (transformers' "Loading weights", the embedded model's one-time conversion, downloads) redraw one
+# line with "\r": in a log file or CI every redraw becomes a line of its own. So they are off unless stderr is a
+# terminal, or a notebook kernel draws them as widgets. Set here, before tqdm is first imported (it reads TQDM_*
+# then); warnings and errors still print.
+if not (sys.stderr and sys.stderr.isatty()) and "ipykernel" not in sys.modules:
+    os.environ.setdefault("TQDM_DISABLE", "1")

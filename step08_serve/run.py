@@ -111,6 +111,8 @@ def dry_run(args: argparse.Namespace) -> int:
                                                 temperature=0, stream=True)
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     text = full.choices[0].message.content
+    print(f"{args.model} has random weights, so its text is meaningless: the check is that streaming gives the "
+          "same text")
     print(f"non-streaming: {text!r} ({full.usage.completion_tokens} tokens, finish {full.choices[0].finish_reason})")
     print(f"streaming:     {streamed!r}")
     ok = streamed == text and full.usage.completion_tokens > 0

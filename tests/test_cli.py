@@ -115,6 +115,16 @@ def test_help_and_refusals_load_neither_torch_nor_transformers(script: str, argv
     assert proc.stdout.splitlines()[-1] == "heavy modules loaded: []", proc.stderr
 
 
+def test_progress_bars_stay_out_of_a_log_but_warnings_do_not() -> None:
+    """Captured here, stderr is no terminal, as in a log file or CI: a progress bar would print a line per redraw."""
+    show = "import warnings\nimport common\nfrom tqdm.auto import tqdm\n" \
+           "for _ in tqdm(range(3), desc='converting'): pass\nwarnings.warn('a real warning')"
+    env = {name: value for name, value in os.environ.items() if name != "TQDM_DISABLE"}
+    proc = subprocess.run([sys.executable, "-c", show], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=env, check=True)
+    assert "converting" not in proc.stderr and "UserWarning: a real warning" in proc.stderr, proc.stderr
+
+
 # ----- the checks themselves --------------------------------------------------------------------------------
 
 
