@@ -5,9 +5,9 @@
 
 One model is loaded once and shared by every step's engine and by the HF generate() baseline, so the
 figures differ only by what the steps do. Writes one JSON evidence file with every run, by default
-runs/compare/<device>-<model>.json (ignored by git; `--output results/compare/...` replaces committed
-evidence), and its plot next to it (the same name with .png, drawn by scripts/plot_compare.py; skipped if
-matplotlib is not installed).
+runs/compare/<device>-<model>.json (ignored by git; -2, -3, ... added to the name if an earlier run has it;
+`--output results/compare/...` replaces committed evidence), and its plot next to it (the same name with .png,
+drawn by scripts/plot_compare.py; skipped if matplotlib is not installed).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", action="append", default=[], metavar="STEP=N",
                    help="skip STEP above batch N (step01 is serial: its tok/s does not change with batch, "
                         "only its run time grows); repeatable")
-    p.add_argument("--output", type=Path, help="evidence file (default runs/compare/<device>-<model>.json)")
+    p.add_argument("--output", type=Path,
+                   help="evidence file (default runs/compare/<device>-<model>.json, numbered if taken)")
     return p
 
 

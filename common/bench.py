@@ -5,8 +5,9 @@ first token; TPOT is (latency - TTFT) / (output tokens - 1); throughput is outpu
 of the whole run. Every result file records what produced it (commit, versions, device, model, workload).
 
 Benchmarks write under runs/ unless given an output path: runs/ is ignored by git, so measuring never
-overwrites the committed evidence under results/. An explicit `--output` (`--bench-output` for a step's
-run.py) writes anywhere, results/ included.
+overwrites the committed evidence under results/, and a run never overwrites an earlier one's file there (the
+second gets a numbered name). An explicit `--output` (`--bench-output` for a step's run.py) writes exactly
+there, results/ included, replacing what was there.
 """
 
 from __future__ import annotations
@@ -43,9 +44,16 @@ RUNS_DIR = Path("runs")
 def default_output(folder: str, *name: str) -> Path:
     """Where a benchmark writes unless given an output path: runs/<folder>/<name>.json, the name being the parts
     joined by "-", with a model id made safe for a file name. default_output("compare", "cpu", "random:qwen2.5-7b")
-    is runs/compare/cpu-random-qwen2.5-7b.json: the sub-path that committed evidence has under results/."""
+    is runs/compare/cpu-random-qwen2.5-7b.json: the sub-path that committed evidence has under results/. If an
+    earlier run left that file, the first free one of <name>-2.json, <name>-3.json, ...: a second run with the
+    same settings keeps the first one's evidence."""
     stem = "-".join(part.replace(":", "-").replace("/", "-") for part in name)
-    return RUNS_DIR / folder / f"{stem}.json"
+    path = RUNS_DIR / folder / f"{stem}.json"
+    number = 2
+    while path.exists():
+        path = RUNS_DIR / folder / f"{stem}-{number}.json"
+        number += 1
+    return path
 
 
 @dataclass

@@ -192,7 +192,7 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=1, help="runs per point; the median is kept")
     bench.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
     bench.add_argument("--bench-output", type=Path,
-                       help="evidence file (default runs/<step>/bench-<device>-<model>.json)")
+                       help="evidence file (default runs/<step>/bench-<device>-<model>.json, numbered if taken)")
     return p
 
 

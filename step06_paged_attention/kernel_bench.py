@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                                                          "(e.g. 2x2,8x3) at each point's best split count")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--repeats", type=int, default=10, help=f"graph replays ({CALLS_PER_GRAPH} calls each) per figure")
-    p.add_argument("--output", type=Path, default=default_output("step06_paged_attention", "kernel-bench", "cuda"),
-                   help="evidence file (default %(default)s)")
+    p.add_argument("--output", type=Path,
+                   help="evidence file (default runs/step06_paged_attention/kernel-bench-cuda.json, numbered if taken)")
     args, _ = p.parse_known_args(argv)
     try:  # before any GPU work: a bad value is one line and exit code 2
         check_args(args)
@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"batch {batch:3d} context {context:5d}: WRONG (max abs error {row['max_abs_error']:.3g}), not timed")
             rows.append(row)
-    write_json(args.output, header | {"points": rows})
+    output = args.output or default_output("step06_paged_attention", "kernel-bench", "cuda")
+    write_json(output, header | {"points": rows})
     return 0 if all(r["correct"] for r in rows) else 1
 
 

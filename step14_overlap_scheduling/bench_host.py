@@ -72,8 +72,8 @@ def main() -> int:
     p.add_argument("--batches", default="32,128,256")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--output", type=Path, default=default_output("step14_overlap_scheduling", "host-per-step", "cpu"),
-                   help="evidence file (default %(default)s)")
+    p.add_argument("--output", type=Path, help="evidence file (default runs/step14_overlap_scheduling/"
+                                               "host-per-step-cpu.json, numbered if taken)")
     args = p.parse_args()
     try:  # before the model loads: a bad value is one line and exit code 2
         check_args(args)
@@ -90,7 +90,8 @@ def main() -> int:
         rows.append({"batch": batch, "ms_per_step": per_step})
         parts = ", ".join(f"{name} {ms:.2f}" for name, ms in per_step.items())
         print(f"batch {batch}: ms per step: {parts}", flush=True)
-    write_json(args.output, header | {"rows": rows})
+    output = args.output or default_output("step14_overlap_scheduling", "host-per-step", "cpu")
+    write_json(output, header | {"rows": rows})
     return 0
 
 

@@ -5,6 +5,7 @@ nor over an earlier run's."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -254,8 +255,9 @@ def test_main_returns_2_without_loading(capsys: pytest.CaptureFixture[str]) -> N
 # ----- where benchmarks write -------------------------------------------------------------------------------
 
 
-def test_default_output_is_under_runs_with_the_old_sub_path() -> None:
+def test_default_output_is_under_runs_with_the_old_sub_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """runs/ in place of results/, and below it the path the committed evidence has."""
+    monkeypatch.chdir(tmp_path)  # runs/ is relative: an earlier run's file in the checkout would change the name
     assert RUNS_DIR == Path("runs")
     assert default_output("compare", "cpu", "smollm2-135m-instruct") == Path(
         "runs/compare/cpu-smollm2-135m-instruct.json")
@@ -263,6 +265,39 @@ def test_default_output_is_under_runs_with_the_old_sub_path() -> None:
         "runs/step01_serial/bench-cuda-random-qwen2.5-7b.json")
     assert default_output("step08_serve", "serve", "cpu", "Qwen/Qwen2.5-7B-Instruct") == Path(
         "runs/step08_serve/serve-cpu-Qwen-Qwen2.5-7B-Instruct.json")
+
+
+def test_a_second_run_with_the_same_settings_keeps_the_first_ones_file(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    written = []
+    for _ in range(3):
+        path = default_output("step01_serial", "bench", "cpu", "tiny-llama")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}")
+        written.append(path)
+    assert written == [Path("runs/step01_serial/bench-cpu-tiny-llama.json"),
+                       Path("runs/step01_serial/bench-cpu-tiny-llama-2.json"),
+                       Path("runs/step01_serial/bench-cpu-tiny-llama-3.json")]
+
+
+def test_bench_numbers_its_default_file_and_writes_a_given_one_exactly(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Two benchmarks with the same settings: the second's evidence goes next to the first's, and a given
+    --bench-output is written where asked (replaced, not numbered); each says where it wrote."""
+    monkeypatch.chdir(tmp_path)
+    quick = ["--bench", "--model", "tiny-llama", "--device", "cpu", "--batch-sizes", "1", "--prompt-len", "4",
+             "--max-tokens", "2", "--no-hf"]
+    for _ in range(2):
+        assert cli.main("step01_serial", None, quick) == 0
+        assert cli.main("step01_serial", None, [*quick, "--bench-output", "mine.json"]) == 0
+    wrote = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
+    assert wrote == ["wrote runs/step01_serial/bench-cpu-tiny-llama.json", "wrote mine.json",
+                     "wrote runs/step01_serial/bench-cpu-tiny-llama-2.json", "wrote mine.json"]
+    assert sorted(p.name for p in (tmp_path / "runs/step01_serial").iterdir()) == [
+        "bench-cpu-tiny-llama-2.json", "bench-cpu-tiny-llama.json"]
+    assert json.loads((tmp_path / "mine.json").read_text())["runs"]
 
 
 @pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs git and a checkout")
