@@ -30,6 +30,7 @@ from common.config import weight_params_per_decode_step
 from common.loading import LoadedModel, load_model
 from common.sampling import SamplingParams
 from step06_paged_attention.kernel_bench import copy_bandwidth_gbs
+from step12_cuda_graph.decode_graphs import DecodeBatch
 from step13_fused_decode.engine import FusedDecodeEngine, FusedDecodeEngineConfig
 
 CATEGORIES = {  # first match wins, on the lower-cased kernel name
@@ -66,8 +67,9 @@ def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, ste
     assert graphs is not None and graphs.graphs, engine.graph_status()
     bucket = graphs.bucket_for(len(requests))
     seq_lens = engine.grow_block_tables(requests)  # the block the step's new token goes to, if it starts one
-    graphs.inputs.fill([r.output_token_ids[-1] for r in requests], seq_lens,
-                       [engine.block_tables[r.request_id] for r in requests], bucket)
+    graphs.inputs.fill(DecodeBatch([r.output_token_ids[-1] for r in requests], seq_lens,
+                                   [r.block_table for r in requests], [r.params for r in requests],
+                                   [len(r.output_token_ids) for r in requests]), bucket)
     frozen_len = graphs.frozen_len_for(bucket, max(seq_lens))
     replay_ms = time_replays(graphs.graphs[bucket, False, frozen_len], steps)
     # The same step through the graph captured for the longest context, where the bucket has a short one:
