@@ -34,17 +34,13 @@ tour: install
 test: install
 	$(BIN)/python -m pytest -rs tests --nbmake notebooks
 
-# The committed CPU evidence that the README tables cite, measured again, and every table refreshed from it.
+# The CPU evidence run: the committed CPU files that the lessons' tables cite, measured again at one commit (about
+# half an hour on 2 cores), and every table refreshed from them.
 results: install
-	$(BIN)/python compare.py --repeats 3 --output results/compare/cpu-smollm2-135m-instruct-all-steps.json
-	$(BIN)/python compare.py --steps step01_serial,step02_paged_kv,step03_vectorized_gather --repeats 3 \
-		--output results/compare/cpu-smollm2-135m-instruct.json
-	$(BIN)/python step01_serial/run.py --bench --repeats 3 \
-		--bench-output results/step01_serial/bench-cpu-smollm2-135m-instruct.json
-	$(BIN)/python step09_chunked_prefill/bench_long_prompt.py \
-		--output results/step09_chunked_prefill/long-prompt-cpu-smollm2-135m-instruct.json
-	$(BIN)/python step10_prefix_caching/bench_prefix.py \
-		--output results/step10_prefix_caching/prefix-cpu-smollm2-135m-instruct.json
+	$(BIN)/python compare.py --repeats 3 --output results/cpu/decode-all-steps.json
+	$(BIN)/python step09_chunked_prefill/bench_long_prompt.py --output results/cpu/stall.json
+	$(BIN)/python step10_prefix_caching/bench_prefix.py --output results/cpu/prefix.json
+	$(BIN)/python step14_overlap_scheduling/bench_host.py --batches 32,128,256 --output results/cpu/host-per-step.json
 	$(BIN)/python scripts/results_table.py --refresh README.md step*/README.md
 
 # The walkthroughs run again on the CPU and saved with their outputs, so they render where the repository is browsed
