@@ -2,77 +2,69 @@
 
     .venv/bin/python scripts/results_table.py results/step01_serial/bench-cpu-smollm2-135m-instruct.json
     .venv/bin/python scripts/results_table.py --pivot results/compare/cuda-random-qwen2.5-7b.json   # tok/s, batch x system
+    .venv/bin/python scripts/results_table.py --kind burst results/step09_chunked_prefill/long-prompt-cpu-smollm2-135m-instruct.json
     .venv/bin/python scripts/results_table.py --refresh README.md step0*/README.md    # rewrite every table from its file
 
+The kind of a file is read from what it holds (scripts/renderers.py: `RENDERERS`, one `render_<kind>` each):
+
+    runs, pivot           compare.py, run.py --bench (also --workload nanovllm): results/compare/*.json,
+                          results/*/bench-*.json, decode-*.json, nanovllm-*.json, prefill-vs-paged-*.json;
+                          pivot is the same runs as tok/s only, batch x system
+    preempt               step07_preemption/bench_preempt.py: preempt-*.json
+    serve                 step08_serve/bench_serve.py: serve-*.json
+    stall, burst          step09_chunked_prefill/bench_long_prompt.py: long-prompt-*.json, burst-*.json (a file
+                          holding both scenarios is shown as stall; --kind burst for the other)
+    burst-serve           step09_chunked_prefill/bench_burst_serve.py: burst-serve-*.json
+    prefix                step10_prefix_caching/bench_prefix.py: prefix-*.json
+    kernel-bench          step06_paged_attention/run.py --kernel-bench: kernel-bench-*.json
+    prefill-kernel-bench  step06_paged_attention/prefill_kernel_bench.py: prefill-kernel-bench-*.json
+    matmul-bench          step13_fused_decode/matmul_bench.py: matmul-bench-*.json
+    profile               step13_fused_decode/profile_step.py: profile-*.json
+    overlap               step14_overlap_scheduling/bench_overlap.py: overlap-*.json
+    host-per-step         step14_overlap_scheduling/bench_host.py: host-per-step-*.json
+    checkpoint-memory     scripts/check_checkpoint_memory.py: checkpoint-load-memory-*.json
+
 In a README, every table generated here starts with its source line (`<!-- results/....json: ... -->`);
-`--refresh` regenerates each such table in place, and tests/test_results_tables.py fails when one differs.
+`--refresh` regenerates each such table in place, as the kind whose header shares the most columns with the
+table's, and tests/test_results_tables.py fails when one differs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
+import sys
+
+from scripts.renderers import RENDERERS
 
 
 def source_line(path: str, doc: dict) -> str:
     return f"<!-- {path}: commit {doc['git_commit'][:10]}, {doc['device']}, {doc['model']}, {doc['dtype']} -->"
 
 
-def prompt_len(run: dict) -> str:
-    """A fixed workload's prompt length, from its name (batch8_in32_out128 -> 32); another workload's name."""
-    fixed = re.fullmatch(r"batch\d+_in(\d+)_out\d+", run["workload"])
-    return fixed.group(1) if fixed else run["workload"]
-
-
-def detailed(path: str, doc: dict) -> list[str]:
-    runs = doc["runs"]
-    hf = {r["batch"]: r["output_tok_per_s"] for r in runs if r["system"] == "hf-generate"}
-    # A file measured at several prompt lengths gets a column for it (the batch alone does not tell its runs apart).
-    by_prompt = len({prompt_len(r) for r in runs}) > 1
-    lines = [
-        "| system |" + (" prompt |" if by_prompt else "") + " batch | output tok/s | vs HF | TTFT ms (median) | TPOT ms (median) |",
-        "|---|" + ("---:|" if by_prompt else "") + "---:|---:|---:|---:|---:|",
-    ]
-    for r in runs:
-        ratio = f"{r['output_tok_per_s'] / hf[r['batch']]:.2f}x" if r["batch"] in hf else "-"
-        lines.append(
-            f"| {r['system']} |" + (f" {prompt_len(r)} |" if by_prompt else "") + f" {r['batch']} | "
-            f"{r['output_tok_per_s']:.1f} | {ratio} | {r['ttft_ms_median']:.1f} | {r['tpot_ms_median']:.1f} |"
-        )
-    return lines
-
-
-def pivot(path: str, doc: dict) -> list[str]:
-    runs = doc["runs"]
-    systems = list(dict.fromkeys(r["system"] for r in runs))
-    batches = list(dict.fromkeys(r["batch"] for r in runs))
-    tok_s = {(r["system"], r["batch"]): r["output_tok_per_s"] for r in runs}
-    lines = ["| batch | " + " | ".join(systems) + " |", "|---:|" + "---:|" * len(systems)]
-    for b in batches:
-        cells = [f"{tok_s[(s, b)]:.1f}" if (s, b) in tok_s else "-" for s in systems]
-        lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def overlap(path: str, doc: dict) -> list[str]:
-    """step14_overlap_scheduling/bench_overlap.py's evidence: per batch, a decode step's parts without and with
-    overlap (ms per step)."""
-    lines = ["| batch | GPU (replay alone) | host | step, no overlap | step, overlap | decode tok/s, no overlap | "
-             "decode tok/s, overlap | gain |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for row in doc["rows"]:
-        off, on, gpu = row["no_overlap"], row["overlap"], row["gpu_ms"]
-        lines.append(f"| {row['batch']} | {'-' if gpu is None else f'{gpu:.2f}'} | {off['host_ms']:.2f} | "
-                     f"{off['step_ms']:.2f} | {on['step_ms']:.2f} | {off['tokens_per_s']:.1f} | "
-                     f"{on['tokens_per_s']:.1f} | {on['tokens_per_s'] / off['tokens_per_s']:.2f}x |")
-    return lines
-
-
-def table_for(path: str, pivoted: bool) -> list[str]:
+def tables_for(path: str) -> dict[str, list[str]]:
+    """Every table an evidence file can be shown as, by kind in `RENDERERS`' order, each under its source line."""
     doc = json.load(open(path, encoding="utf-8"))
-    if "runs" not in doc and "overlap" in doc.get("rows", [{}])[0]:
-        return [source_line(path, doc), *overlap(path, doc)]
-    return [source_line(path, doc), *(pivot if pivoted else detailed)(path, doc)]
+    fitting = [r for r in RENDERERS if r.holds(doc)] if isinstance(doc, dict) else []
+    tables = {r.kind: [source_line(path, doc), *r.render(path, doc)] for r in fitting}
+    if not tables:
+        raise ValueError(f"{path}: no table for this evidence: it is none of the kinds "
+                         f"{', '.join(r.kind for r in RENDERERS)} (add a renderer to scripts/renderers.py)")
+    return tables
+
+
+def table_for(path: str, kind: str | None = None) -> list[str]:
+    """An evidence file's table as `kind`, or as the first kind it can be shown as."""
+    tables = tables_for(path)
+    if kind is None:
+        return next(iter(tables.values()))
+    if kind not in tables:
+        raise ValueError(f"{path} cannot be shown as {kind}, only as: {', '.join(tables)}")
+    return tables[kind]
+
+
+def header_cells(line: str) -> set[str]:
+    return {cell.strip() for cell in line.strip().strip("|").split("|")}
 
 
 def refresh(markdown_path: str, write: bool) -> list[str]:
@@ -86,7 +78,9 @@ def refresh(markdown_path: str, write: bool) -> list[str]:
             end = i + 1
             while end < len(lines) and lines[end].startswith("|"):
                 end += 1
-            fresh = table_for(source, pivoted=lines[i + 1].startswith("| batch |"))
+            # A file can be shown as several kinds (runs or pivot; stall or burst): the table keeps its own.
+            shown = header_cells(lines[i + 1]) if end > i + 1 else set()
+            fresh = max(tables_for(source).values(), key=lambda table: len(header_cells(table[1]) & shown))
             if fresh != lines[i:end]:
                 stale.append(source)
             out += fresh
@@ -102,15 +96,19 @@ def refresh(markdown_path: str, write: bool) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+")
-    p.add_argument("--pivot", action="store_true", help="output tok/s only, one row per batch, one column per system")
+    p.add_argument("--kind", choices=[r.kind for r in RENDERERS], help="the table to print (default: the file's first)")
+    p.add_argument("--pivot", action="store_const", const="pivot", dest="kind", help="the same as --kind pivot")
     p.add_argument("--refresh", action="store_true", help="the files are markdown: rewrite their evidence tables")
     args = p.parse_args()
     for path in args.files:
-        if args.refresh:
-            stale = refresh(path, write=True)
-            print(f"{path}: {len(stale)} table(s) rewritten" if stale else f"{path}: up to date")
-        else:
-            print("\n".join(table_for(path, args.pivot)) + "\n")
+        try:
+            if args.refresh:
+                stale = refresh(path, write=True)
+                print(f"{path}: {len(stale)} table(s) rewritten" if stale else f"{path}: up to date")
+            else:
+                print("\n".join(table_for(path, args.kind)) + "\n")
+        except ValueError as err:
+            sys.exit(f"error: {err}")
 
 
 if __name__ == "__main__":

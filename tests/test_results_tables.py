@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from scripts.results_table import refresh
+from scripts.renderers import RENDERERS
+from scripts.results_table import refresh, table_for
 
 REPO = Path(__file__).resolve().parent.parent
 READMES = sorted(str(p.relative_to(REPO)) for p in [REPO / "README.md", *REPO.glob("step*/README.md")])
@@ -25,3 +27,150 @@ def test_the_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     tampered = tmp_path / "README.md"
     tampered.write_text(text.replace("| step01_serial | 1 |", "| step01_serial | 1 | 9", 1), encoding="utf-8")
     assert refresh(str(tampered), write=False) != []
+
+
+STEP09 = "results/step09_chunked_prefill"
+
+
+def cell(table: list[str], row: int, column: str) -> str:
+    """A figure of a rendered table (source line, header, alignment, then rows) by data row and column name."""
+    def cells(line: str) -> list[str]:
+        return [c.strip() for c in line.strip().strip("|").split("|")]
+    return cells(table[3 + row])[cells(table[1]).index(column)]
+
+
+def stall_ratio(doc: dict) -> tuple[int, str, str]:
+    row = doc["stall"][1]
+    return 1, "gap / steady step", f"{row['longest_gap_ms'] / row['steady_step_ms']:.1f}x"
+
+
+def unchunked_ratio(doc: dict) -> tuple[int, str, str]:
+    none, default = doc["stall"]
+    return 1, "TTFT / unchunked", f"{default['long_prompt_ttft_ms'] / none['long_prompt_ttft_ms']:.2f}x"
+
+
+def prefix_computed(doc: dict) -> tuple[int, str, str]:
+    cached = next(r for r in doc["runs"] if r["prefix_caching"] and r["scenario"] == "shared")
+    return 1, "shared prefix: computed", f"{cached['prompt_tokens_computed']:,}"  # row 1: caching on, after off
+
+
+def overlap_gain(doc: dict) -> tuple[int, str, str]:
+    off, on = doc["rows"][0]["no_overlap"], doc["rows"][0]["overlap"]
+    return 0, "gain", f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x"
+
+
+def swap_bandwidth(doc: dict) -> tuple[int, str, str]:
+    row = next(i for i, r in enumerate(doc["runs"]) if r["swapped_blocks"])
+    return row, "swap GB/s", f"{doc['runs'][row]['swap_gb_per_s']:.1f}"
+
+
+def kernel_share_of_copy(doc: dict) -> tuple[int, str, str]:
+    return 2, "% of copy", f"{doc['points'][2]['kernel_gbs'] / doc['copy_bandwidth_gbs']:.0%}"
+
+
+def matmul_cublas(doc: dict) -> tuple[int, str, str]:
+    point = doc["shapes"]["o"][0]
+    speed = f"{point['cublas_us']:.1f} us, {point['weight_mb'] / point['cublas_us']:.2f} TB/s"
+    return 1, f"cuBLAS, {point['rows']} row", speed
+
+
+def profile_ceiling(doc: dict) -> tuple[int, str, str]:
+    point = doc["points"][1]
+    ceiling = doc["weight_read_ceiling_ms"]
+    return 1, f"of the {ceiling:.2f} ms ceiling", f"{ceiling / point['replay_ms_per_step']:.0%}"
+
+
+# Per kind, a committed file and one of its figures as the table must show it, computed here from the JSON:
+# (kind, file, figure(doc) -> (data row, column, text)).
+FIGURES = [
+    ("runs", "results/step12_cuda_graph/bench-nanovllm-cuda-random-qwen3-0.6b.json",
+     lambda d: (0, "output tok/s", f"{d['runs'][0]['output_tok_per_s']:.1f}")),
+    ("pivot", "results/compare/cuda-random-qwen2.5-7b.json",
+     lambda d: (0, d["runs"][0]["system"], f"{d['runs'][0]['output_tok_per_s']:.1f}")),
+    ("preempt", "results/step07_preemption/preempt-cuda-random-qwen2.5-7b.json", swap_bandwidth),
+    ("serve", "results/step08_serve/serve-cuda-random-qwen2.5-7b.json",
+     lambda d: (3, "vs concurrency 1", f"{d['runs'][3]['output_tok_per_s'] / d['runs'][0]['output_tok_per_s']:.2f}x")),
+    ("burst-serve", f"{STEP09}/burst-serve-cuda-random-qwen2.5-7b-default-row-tables.json",
+     lambda d: (1, "TTFT median", f"{d['runs'][1]['ttft_ms_p50'] / 1e3:.1f} s")),
+    ("prefix", "results/step10_prefix_caching/prefix-cuda-random-qwen2.5-7b.json", prefix_computed),
+    ("stall", f"{STEP09}/long-prompt-cuda-random-qwen2.5-7b.json", stall_ratio),
+    ("stall", f"{STEP09}/long-prompt-cuda-random-qwen2.5-7b-default-row-tables.json", unchunked_ratio),
+    ("stall", f"{STEP09}/long-prompt-cuda-random-qwen2.5-7b-default-row-tables.json",
+     lambda d: (1, "budget (tokens)", f"default ({d['stall'][1]['budget_tokens']})")),
+    ("burst", f"{STEP09}/long-prompt-cpu-smollm2-135m-instruct.json",
+     lambda d: (2, "all done in", f"{d['burst'][2]['elapsed_s']:.1f} s")),
+    ("burst", f"{STEP09}/burst-cuda-random-qwen2.5-7b-step07.json",
+     lambda d: (0, "answered", f"0 of {d['settings']['burst_requests']}: out of memory")),
+    ("kernel-bench", "results/step06_paged_attention/kernel-bench-cuda-qwen2.5-7b-heads-6bb8d6e.json",
+     kernel_share_of_copy),
+    ("prefill-kernel-bench", "results/step06_paged_attention/prefill-kernel-bench-cuda-qwen2.5-7b.json",
+     lambda d: (0, f"{d['configs'][0]['q_len']:,} new over {d['configs'][0]['context']:,} cached",
+                f"{d['configs'][0]['tflops']:.0f} TFLOP/s")),
+    ("matmul-bench", "results/step12_cuda_graph/matmul-bench-cuda-qwen2.5-7b.json", matmul_cublas),
+    ("profile", "results/step13_fused_decode/profile-cuda-random-qwen2.5-7b-split-a.json", profile_ceiling),
+    ("overlap", "results/step14_overlap_scheduling/overlap-cuda-random-qwen2.5-7b.json", overlap_gain),
+    ("host-per-step", "results/step14_overlap_scheduling/host-per-step-cpu.json",
+     lambda d: (2, "schedule", f"{d['rows'][2]['ms_per_step']['schedule']:.2f} ms")),
+    ("checkpoint-memory", "results/gpu/checkpoint-load-memory-qwen2.5-7b.json",
+     lambda d: (0, "peak / weights", f"{d['peak_allocated_bytes'] / d['weight_bytes']:.3f}x")),
+]
+
+
+@pytest.mark.parametrize("kind, path, figure", FIGURES, ids=[f"{kind}-{Path(path).stem}" for kind, path, _ in FIGURES])
+def test_each_kind_shows_its_files_figures(kind: str, path: str, figure, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    table = table_for(path, kind)
+    row, column, expected = figure(json.loads(Path(path).read_text(encoding="utf-8")))
+    assert cell(table, row, column) == expected
+
+
+def test_every_kind_has_a_case() -> None:
+    assert {kind for kind, _, _ in FIGURES} == {r.kind for r in RENDERERS}
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(REPO)) for p in REPO.glob("results/**/*.json")))
+def test_every_committed_evidence_file_has_a_table(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dispatch by content finds a kind for each file, and its renderer copes with the file's variant."""
+    monkeypatch.chdir(REPO)
+    table = table_for(path)
+    assert table[0].startswith(f"<!-- {path}: commit ") and len(table) >= 3
+
+
+@pytest.mark.parametrize("path, kind", [
+    (f"{STEP09}/long-prompt-cpu-smollm2-135m-instruct.json", "stall"),
+    (f"{STEP09}/burst-cuda-random-qwen2.5-7b.json", "burst"),
+    (f"{STEP09}/burst-serve-cuda-random-qwen2.5-7b.json", "burst-serve"),
+    ("results/step06_paged_attention/prefill-vs-paged-cuda-random-qwen2.5-7b.json", "runs"),
+    ("results/step12_cuda_graph/profile-cuda-random-qwen2.5-7b.json", "profile"),
+])
+def test_a_file_is_shown_as_its_first_kind(path: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    assert table_for(path) == table_for(path, kind)
+
+
+def test_unknown_evidence_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    unknown = tmp_path / "mystery.json"
+    unknown.write_text(json.dumps({"git_commit": "0" * 40, "device": "cpu", "model": "m", "dtype": "float32",
+                                   "widgets": [{"size": 1}]}), encoding="utf-8")
+    with pytest.raises(ValueError, match="mystery.json: no table for this evidence"):
+        table_for(str(unknown))
+
+
+def test_a_kind_the_file_is_not_is_an_error_naming_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ValueError, match=r"preempt-cuda-random-qwen2.5-7b.json cannot be shown as serve"):
+        table_for("results/step07_preemption/preempt-cuda-random-qwen2.5-7b.json", "serve")
+
+
+def test_refresh_regenerates_any_kind_as_the_kind_the_table_is(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stale table of a new kind is rewritten; a file shown as its second kind (burst) stays that kind."""
+    monkeypatch.chdir(REPO)
+    long_prompt = f"{STEP09}/long-prompt-cpu-smollm2-135m-instruct.json"
+    stall, burst = table_for(long_prompt, "stall"), table_for(long_prompt, "burst")
+    stale_stall = [*stall[:3], stall[3].replace("| 1 |", "| 2 |", 1), *stall[4:]]
+    readme = tmp_path / "README.md"
+    readme.write_text("\n".join(["# lesson", *stale_stall, "", "text", *burst, "", "end"]), encoding="utf-8")
+    assert refresh(str(readme), write=True) == [long_prompt]
+    assert readme.read_text(encoding="utf-8") == "\n".join(["# lesson", *stall, "", "text", *burst, "", "end"])
+    assert refresh(str(readme), write=False) == []

@@ -1,0 +1,330 @@
+"""The markdown table of each kind of benchmark evidence, and how to tell the kinds apart.
+
+Each `render_<kind>(path, doc)` returns a table's lines (header, alignment, rows); every figure in it is read from
+`doc` or computed from its figures (ratios too). `RENDERERS` lists, in order, which kinds a document can be shown
+as; scripts/results_table.py puts the table under its source line and keeps the READMEs' tables fresh.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Doc = dict[str, Any]
+
+
+def markdown(header: list[str], rows: list[list[str]], text_columns: int = 1) -> list[str]:
+    """A table whose first `text_columns` columns are left-aligned (labels) and the others right-aligned (figures)."""
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(cells) + " |"
+    alignment = ["---"] * text_columns + ["---:"] * (len(header) - text_columns)
+    return [line(header), "|" + "|".join(alignment) + "|", *map(line, rows)]
+
+
+def first(doc: Doc, key: str) -> Doc:
+    """The first record of the document's list `key`, or {} where it has none: what a kind's test looks at."""
+    records = doc.get(key)
+    return records[0] if isinstance(records, list) and records and isinstance(records[0], dict) else {}
+
+
+def span(values: list[float], unit: str) -> str:
+    """The shortest and the longest of some times: "11.0 to 29.5 ms", or one figure where they are the same."""
+    low, high = f"{min(values):.1f}", f"{max(values):.1f}"
+    return f"{low} {unit}" if low == high else f"{low} to {high} {unit}"
+
+
+# compare.py and run.py --bench
+
+
+def prompt_len(run: Doc) -> str:
+    """A fixed workload's prompt length, from its name (batch8_in32_out128 -> 32); another workload's name."""
+    fixed = re.fullmatch(r"batch\d+_in(\d+)_out\d+", run["workload"])
+    return fixed.group(1) if fixed else run["workload"]
+
+
+def render_runs(path: str, doc: Doc) -> list[str]:
+    """Per system and batch: output tok/s, against HF's at the same batch, and the median TTFT and TPOT."""
+    runs = doc["runs"]
+    hf = {r["batch"]: r["output_tok_per_s"] for r in runs if r["system"] == "hf-generate"}
+    # A file measured at several prompt lengths gets a column for it (the batch alone does not tell its runs apart).
+    by_prompt = len({prompt_len(r) for r in runs}) > 1
+    header = ["system", *(["prompt"] if by_prompt else []), "batch", "output tok/s", "vs HF", "TTFT ms (median)",
+              "TPOT ms (median)"]
+    rows = [[r["system"], *([prompt_len(r)] if by_prompt else []), str(r["batch"]), f"{r['output_tok_per_s']:.1f}",
+             f"{r['output_tok_per_s'] / hf[r['batch']]:.2f}x" if r["batch"] in hf else "-",
+             f"{r['ttft_ms_median']:.1f}", f"{r['tpot_ms_median']:.1f}"] for r in runs]
+    return markdown(header, rows)
+
+
+def render_pivot(path: str, doc: Doc) -> list[str]:
+    """The same runs as output tok/s only: one row per batch, one column per system."""
+    runs = doc["runs"]
+    systems = list(dict.fromkeys(r["system"] for r in runs))
+    batches = list(dict.fromkeys(r["batch"] for r in runs))
+    tok_s = {(r["system"], r["batch"]): r["output_tok_per_s"] for r in runs}
+    rows = [[str(b), *(f"{tok_s[(s, b)]:.1f}" if (s, b) in tok_s else "-" for s in systems)] for b in batches]
+    return markdown(["batch", *systems], rows, text_columns=0)
+
+
+# step 07 to step 10's benchmarks
+
+
+def render_preempt(path: str, doc: Doc) -> list[str]:
+    """step07_preemption/bench_preempt.py: per KV budget and preemption mode, the throughput and what preemption
+    cost."""
+    rows = [[f"{r['budget']} ({r['num_blocks']} blocks)", r["preempt"], f"{r['output_tok_per_s']:.1f}",
+             str(r["preemptions"]), str(r["swapped_blocks"]),
+             f"{r['swap_gb_per_s']:.1f}" if r["swapped_blocks"] else "-"] for r in doc["runs"]]
+    return markdown(["budget", "preempt", "output tok/s", "preemptions", "blocks swapped out", "swap GB/s"], rows,
+                    text_columns=2)
+
+
+def render_serve(path: str, doc: Doc) -> list[str]:
+    """step08_serve/bench_serve.py: per concurrency, the server through the SDK against the first concurrency measured and
+    against the bare engine given the same requests."""
+    runs = doc["runs"]
+    base = runs[0]
+    rows = [[str(r["concurrency"]), f"{r['output_tok_per_s']:.1f}",
+             f"{r['output_tok_per_s'] / base['output_tok_per_s']:.2f}x",
+             f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f}", f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f}",
+             f"{r['direct_engine_tok_per_s']:.1f}", f"{r['output_tok_per_s'] / r['direct_engine_tok_per_s']:.2f}"]
+            for r in runs]
+    header = ["concurrency", "output tok/s", f"vs concurrency {base['concurrency']}", "TTFT p50 / p99 ms",
+              "TPOT p50 / p99 ms", "bare engine tok/s", "server / engine"]
+    return markdown(header, rows, text_columns=0)
+
+
+def budget_label(row: Doc) -> str:
+    """A budget as bench_long_prompt.py names it, with the number the engine chose for "default"."""
+    if row["budget"] == "default" and row.get("budget_tokens"):
+        return f"default ({row['budget_tokens']})"
+    return row["budget"]
+
+
+def out_of_memory(row: Doc) -> str:
+    # bench_long_prompt.py catches only torch.OutOfMemoryError: while building the engine, or while running.
+    return "out of memory at start-up" if row["error"].startswith("at start-up") else "out of memory"
+
+
+def render_stall(path: str, doc: Doc) -> list[str]:
+    """step09_chunked_prefill/bench_long_prompt.py's stall: decoders decoding when one long prompt arrives. Per
+    budget: the steps until its first token, how long they took, the decoders' longest wait between two tokens
+    against their steady step, and the prompt's time to first token (against no budget, where the file has it)."""
+    rows = doc["stall"]
+    unchunked = next((r["long_prompt_ttft_ms"] for r in rows if r["budget"] == "none" and "error" not in r), None)
+    against_unchunked = unchunked is not None and len(rows) > 1
+    header = ["budget (tokens)", "steps to first token", "a step, shortest to longest", "steady step", "longest gap",
+              "gap / steady step", "long prompt's TTFT", *(["TTFT / unchunked"] if against_unchunked else [])]
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append([budget_label(r), out_of_memory(r), *["-"] * (len(header) - 2)])
+            continue
+        lines.append([budget_label(r), str(r["steps_until_first_token"]),
+                      span(r["step_ms"], "ms") if "step_ms" in r else "-",  # files before it was recorded
+                      f"{r['steady_step_ms']:.1f} ms", f"{r['longest_gap_ms']:.1f} ms",
+                      f"{r['longest_gap_ms'] / r['steady_step_ms']:.1f}x", f"{r['long_prompt_ttft_ms']:.0f} ms",
+                      *([f"{r['long_prompt_ttft_ms'] / unchunked:.2f}x"] if against_unchunked else [])])
+    return markdown(header, lines)
+
+
+def render_burst(path: str, doc: Doc) -> list[str]:
+    """step09_chunked_prefill/bench_long_prompt.py's burst: many long prompts at once on the bare engine. Per
+    budget: whether every request was answered (or the engine ran out of memory), how fast, and what it left."""
+    requests = doc["settings"]["burst_requests"]
+    header = ["budget (tokens)", "answered", "all done in", "TTFT median", "TTFT longest", "output tok/s",
+              "KV blocks in use after"]
+    lines = []
+    for r in doc["burst"]:
+        if not r["survived"]:
+            lines.append([budget_label(r), f"0 of {requests}: {out_of_memory(r)}", *["-"] * (len(header) - 2)])
+            continue
+        lines.append([budget_label(r), f"{requests} of {requests}", f"{r['elapsed_s']:.1f} s",
+                      f"{r['ttft_ms_p50'] / 1e3:.1f} s", f"{r['ttft_ms_max'] / 1e3:.1f} s",
+                      f"{r['output_tok_per_s']:.1f}", str(r["blocks_in_use_after"])])
+    return markdown(header, lines)
+
+
+def render_burst_serve(path: str, doc: Doc) -> list[str]:
+    """step09_chunked_prefill/bench_burst_serve.py: per burst of chat requests through the server, how many were
+    answered, how fast, and the server's state after it (/health, and /metrics' running, waiting, blocks used)."""
+    rows = [[f"{r['requests']:,}", f"{r['prompt_tokens_mean']:,.0f}", f"{r['answered']:,} of {r['requests']:,}",
+             f"{r['elapsed_s']:.1f} s", f"{r['ttft_ms_p50'] / 1e3:.1f} s", f"{r['ttft_ms_p99'] / 1e3:.1f} s",
+             f"{r['ttft_ms_max'] / 1e3:.1f} s", str(r["health_status"]),
+             f"{r['llm_requests_running']:.0f} / {r['llm_requests_waiting']:.0f} / {r['llm_kv_blocks_used']:.0f}"]
+            for r in doc["runs"]]
+    header = ["requests at once", "prompt tokens (mean)", "answered", "all done in", "TTFT median", "TTFT p99",
+              "TTFT longest", "/health after", "running / waiting / KV blocks after"]
+    return markdown(header, rows, text_columns=0)
+
+
+# step10_prefix_caching/bench_prefix.py's scenarios: their columns, and each column's figure of a run.
+PREFIX_SCENARIOS: dict[str, list[tuple[str, Callable[[Doc], str]]]] = {
+    "shared": [("shared prefix: prompt tokens sent", lambda r: f"{r['prompt_tokens_sent']:,}"),
+               ("shared prefix: computed", lambda r: f"{r['prompt_tokens_computed']:,}"),
+               ("shared prefix: TTFT median / longest",
+                lambda r: f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_max']:.0f} ms"),
+               ("shared prefix: all done", lambda r: f"{r['elapsed_s']:.2f} s")],
+    "chat": [("chat: prompt tokens sent", lambda r: f"{r['prompt_tokens_sent']:,}"),
+             ("chat: computed", lambda r: f"{r['prompt_tokens_computed']:,}"),
+             ("chat: hit rate", lambda r: f"{r['hit_rate']:.0%}"),
+             ("chat: output tok/s", lambda r: f"{r['output_tok_per_s']:.1f}")],
+}
+
+
+def render_prefix(path: str, doc: Doc) -> list[str]:
+    """step10_prefix_caching/bench_prefix.py: caching off, then on, on each scenario the file holds (prompts sharing
+    a prefix; multi-turn chat): the prompt tokens sent and computed, and what that bought."""
+    run = {(r["prefix_caching"], r["scenario"]): r for r in doc["runs"]}
+    scenarios = list(dict.fromkeys(r["scenario"] for r in doc["runs"]))
+    columns = [(scenario, name, figure) for scenario in scenarios for name, figure in PREFIX_SCENARIOS[scenario]]
+    rows = [["on" if caching else "off",
+             *(figure(run[(caching, s)]) if (caching, s) in run else "-" for s, _, figure in columns)]
+            for caching in sorted({r["prefix_caching"] for r in doc["runs"]})]  # off first: the baseline
+    return markdown(["prefix caching", *(name for _, name, _ in columns)], rows)
+
+
+# step 06, step 13 and step 14's kernel and step benchmarks
+
+
+def render_kernel_bench(path: str, doc: Doc) -> list[str]:
+    """step06_paged_attention/kernel_bench.py (`run.py --kernel-bench`): the decode kernel per batch and context,
+    checked then timed, against the device's copy bandwidth and dense SDPA on the same K/V."""
+    header = ["batch x context", "K/V read", "splits", "GPU time", "our kernel", "% of copy", "dense SDPA",
+              "kernel / SDPA"]
+    lines = []
+    for p in doc["points"]:
+        if not p["correct"]:
+            lines.append([f"{p['batch']} x {p['context']}", "-", str(p["splits"]),
+                          f"wrong: max abs error {p['max_abs_error']:.3g}", *["-"] * (len(header) - 4)])
+            continue
+        lines.append([f"{p['batch']} x {p['context']}", f"{p['kv_megabytes']:.1f} MB", str(p["splits"]),
+                      f"{p['kernel_ms'] * 1e3:.1f} µs", f"{p['kernel_gbs']:.0f} GB/s",
+                      f"{p['kernel_gbs'] / doc['copy_bandwidth_gbs']:.0%}", f"{p['sdpa_dense_gbs']:.0f} GB/s",
+                      f"{p['kernel_gbs'] / p['sdpa_dense_gbs']:.2f}x"])
+    return markdown(header, lines)
+
+
+def render_prefill_kernel_bench(path: str, doc: Doc) -> list[str]:
+    """step06_paged_attention/prefill_kernel_bench.py: the paged prefill kernel's useful TFLOP/s, one row per launch
+    (query rows and keys a program, warps, stages), one column per chunk of new tokens over a cached prefix."""
+    def point(config: Doc) -> tuple[int, int]:
+        return config["q_len"], config["context"]
+
+    def launch(config: Doc) -> tuple[int, int, int, int]:
+        return config["block_m"], config["tile"], config["num_warps"], config["num_stages"]
+
+    configs = doc["configs"]
+    points, launches = list(dict.fromkeys(map(point, configs))), list(dict.fromkeys(map(launch, configs)))
+    measured = {(point(c), launch(c)): c for c in configs}
+
+    def figure(config: Doc | None) -> str:
+        if config is None:
+            return "-"
+        return "fails its check" if "error" in config else f"{config['tflops']:.0f} TFLOP/s"
+
+    rows = [[f"{m} x {t}, {w} warps, {s} stages", *(figure(measured.get((p, (m, t, w, s)))) for p in points)]
+            for m, t, w, s in launches]
+    header = ["query rows x keys a program", *(f"{q:,} new over {context:,} cached" for q, context in points)]
+    return markdown(header, rows)
+
+
+PROJECTION_NAMES = {"qkv": "q/k/v", "gate_up": "gate/up", "lm_head": "output head"}  # matmul_bench.py's, as said
+ELEMENT_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def render_matmul_bench(path: str, doc: Doc) -> list[str]:
+    """step13_fused_decode/matmul_bench.py: per projection and number of rows, cuBLAS against the skinny multiply
+    with the settings the engine launches (`skinny_config`'s), as time per call and the weight's bytes per second."""
+    # Imported here: it loads torch and Triton, which no other table needs. Its defaults are the H200's, the
+    # device of these files.
+    from step13_fused_decode.skinny_matmul import skinny_config
+
+    def speed(us: float, megabytes: float) -> str:
+        return f"{us:.1f} us, {megabytes / us:.2f} TB/s"
+
+    header = ["projection", "weight", "MB",
+              *(f"{system}, {n} row{'s' if n > 1 else ''}" for n in doc["rows"] for system in ("cuBLAS", "skinny"))]
+    lines = []
+    for name, points in doc["shapes"].items():
+        shape = points[0]
+        launched = vars(skinny_config(shape["n"], ELEMENT_SIZES[doc["dtype"]]))
+        cells = [PROJECTION_NAMES.get(name, name), f"{shape['n']} x {shape['k']}", f"{shape['weight_mb']:.1f}"]
+        for p in points:
+            timed = next((s["ms"] for s in p["settings"] if s["config"] == launched and s["ms"] is not None), None)
+            cells += [speed(p["cublas_us"], p["weight_mb"]),
+                      "not timed" if timed is None else speed(timed * 1e3, p["weight_mb"])]
+        lines.append(cells)
+    return markdown(header, lines, text_columns=2)
+
+
+def render_profile(path: str, doc: Doc) -> list[str]:
+    """step13_fused_decode/profile_step.py: per batch and variant, a replayed decode step, its kernels and their GPU
+    time by category, and the time to read the weights once at the copy bandwidth as a share of the step."""
+    points = doc["points"]
+    categories = list(dict.fromkeys(c for p in points for c in p["ms_per_step_by_category"]))
+    ceiling = doc["weight_read_ceiling_ms"]
+    rows = [[str(p["batch"]), p["variant"], f"{p['replay_ms_per_step']:.3f} ms", f"{p['kernels_per_step']:.0f}",
+             *(f"{p['ms_per_step_by_category'].get(c, 0.0):.3f} ms" for c in categories),
+             f"{ceiling / p['replay_ms_per_step']:.0%}"] for p in points]
+    header = ["batch", "variant", "replayed step", "kernels", *categories, f"of the {ceiling:.2f} ms ceiling"]
+    return markdown(header, rows, text_columns=2)
+
+
+def render_overlap(path: str, doc: Doc) -> list[str]:
+    """step14_overlap_scheduling/bench_overlap.py: per batch, a decode step's parts without and with overlap
+    (ms per step)."""
+    rows = []
+    for row in doc["rows"]:
+        off, on, gpu = row["no_overlap"], row["overlap"], row["gpu_ms"]
+        rows.append([str(row["batch"]), "-" if gpu is None else f"{gpu:.2f}", f"{off['host_ms']:.2f}",
+                     f"{off['step_ms']:.2f}", f"{on['step_ms']:.2f}", f"{off['tokens_per_s']:.1f}",
+                     f"{on['tokens_per_s']:.1f}", f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x"])
+    header = ["batch", "GPU (replay alone)", "host", "step, no overlap", "step, overlap", "decode tok/s, no overlap",
+              "decode tok/s, overlap", "gain"]
+    return markdown(header, rows, text_columns=0)
+
+
+def render_host_per_step(path: str, doc: Doc) -> list[str]:
+    """step14_overlap_scheduling/bench_host.py: per batch, a decode step's time by phase (the host's and the
+    model's)."""
+    phases = list(dict.fromkeys(phase for row in doc["rows"] for phase in row["ms_per_step"]))
+    rows = [[str(row["batch"]), *(f"{row['ms_per_step'][phase]:.2f} ms" for phase in phases)] for row in doc["rows"]]
+    return markdown(["batch", *phases], rows, text_columns=0)
+
+
+def render_checkpoint_memory(path: str, doc: Doc) -> list[str]:
+    """scripts/check_checkpoint_memory.py: the peak memory of loading a checkpoint against its weights' size."""
+    weights, peak = doc["weight_bytes"], doc["peak_allocated_bytes"]
+    return markdown(["check", "weights", "peak allocated", "peak / weights"],
+                    [[doc["check"], f"{weights / 1e9:.2f} GB", f"{peak / 1e9:.2f} GB", f"{peak / weights:.3f}x"]])
+
+
+@dataclass(frozen=True)
+class Renderer:
+    kind: str
+    holds: Callable[[Doc], bool]  # whether a document can be shown as this kind: its distinctive keys
+    render: Callable[[str, Doc], list[str]]
+
+
+# In order: a document is shown as the first kind that holds it, unless another one is asked for (by name, or by
+# a README table's header).
+RENDERERS = (
+    Renderer("runs", lambda doc: "system" in first(doc, "runs"), render_runs),
+    Renderer("pivot", lambda doc: "system" in first(doc, "runs"), render_pivot),
+    Renderer("preempt", lambda doc: "preempt" in first(doc, "runs"), render_preempt),
+    Renderer("serve", lambda doc: "concurrency" in first(doc, "runs"), render_serve),
+    Renderer("burst-serve", lambda doc: "burst" in first(doc, "runs"), render_burst_serve),
+    Renderer("prefix", lambda doc: "scenario" in first(doc, "runs"), render_prefix),
+    Renderer("stall", lambda doc: bool(first(doc, "stall")), render_stall),
+    Renderer("burst", lambda doc: bool(first(doc, "burst")), render_burst),
+    Renderer("kernel-bench", lambda doc: "splits" in first(doc, "points"), render_kernel_bench),
+    Renderer("prefill-kernel-bench", lambda doc: "q_len" in first(doc, "configs"), render_prefill_kernel_bench),
+    Renderer("matmul-bench", lambda doc: isinstance(doc.get("shapes"), dict), render_matmul_bench),
+    Renderer("profile", lambda doc: "replay_ms_per_step" in first(doc, "points"), render_profile),
+    Renderer("overlap", lambda doc: "overlap" in first(doc, "rows"), render_overlap),
+    Renderer("host-per-step", lambda doc: "ms_per_step" in first(doc, "rows"), render_host_per_step),
+    Renderer("checkpoint-memory", lambda doc: "peak_allocated_bytes" in doc, render_checkpoint_memory),
+)
