@@ -82,8 +82,8 @@ def render_preempt(path: str, doc: Doc) -> list[str]:
 
 
 def render_serve(path: str, doc: Doc) -> list[str]:
-    """step08_serve/bench_serve.py: per concurrency, the server through the SDK against the first concurrency measured and
-    against the bare engine given the same requests."""
+    """step08_serve/bench_serve.py: per concurrency, the server through the SDK against the first concurrency
+    measured and against the bare engine given the same requests."""
     runs = doc["runs"]
     base = runs[0]
     rows = [[str(r["concurrency"]), f"{r['output_tok_per_s']:.1f}",
