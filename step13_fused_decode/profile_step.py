@@ -33,8 +33,11 @@ from step06_paged_attention.kernel_bench import copy_bandwidth_gbs
 from step12_cuda_graph.decode_graphs import DecodeBatch
 from step13_fused_decode.engine import FusedDecodeEngine, FusedDecodeEngineConfig
 
-CATEGORIES = {  # first match wins, on the lower-cased kernel name
-    "attention (ours)": ("_paged_decode", "_merge_splits", "_write_kv"),
+# Our attention kernels, by how their names begin (leading underscores aside): step 06's paged_decode_split_kernel,
+# merge_splits_kernel and kv_write_kernel, and step 13's PDL twins (_paged_decode_split_pdl_kernel, ...). A prefix,
+# not a substring: step 13's fused _rope_and_kv_write_kernel stays in "other".
+OUR_ATTENTION = ("paged_decode", "merge_splits", "write_kv", "kv_write")
+CATEGORIES = {  # after our attention, first match wins, anywhere in the lower-cased kernel name
     "matrix multiply": ("gemm", "gemv", "cutlass", "sm90_", "cublas", "splitk", "_skinny_matmul"),
     "element-wise and reductions": ("elementwise", "vectorized", "reduce", "index", "cat", "copy", "fill"),
 }
@@ -42,6 +45,8 @@ CATEGORIES = {  # first match wins, on the lower-cased kernel name
 
 def category_of(kernel: str) -> str:
     name = kernel.lower()
+    if name.lstrip("_").startswith(OUR_ATTENTION):
+        return "attention (ours)"
     return next((c for c, keys in CATEGORIES.items() if any(k in name for k in keys)), "other")
 
 
@@ -55,14 +60,18 @@ VARIANT_SWITCHES = dict(zip(("plain", "cublas", "skinny", "pdl"), VARIANTS))  # 
 def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, steps: int, variant: str) -> dict:
     """One engine, `batch` requests of `context` tokens in flight: the replay timed, the kernels profiled."""
     blocks = batch * -(-(context + 8) // 16) + 8
+    # A token budget that holds every prompt: the engine's default (512 tokens of a 7B) would prefill only some
+    # of them in the first step. That step runs eagerly (mixed graphs off): only decode is profiled.
     engine = FusedDecodeEngine(loaded, FusedDecodeEngineConfig(model=model, device="cuda", num_blocks=blocks,
                                                                max_graph_batch=batch, attn="triton",
-                                                               **VARIANTS[variant]))
+                                                               max_num_batched_tokens=batch * context,
+                                                               mixed_graphs=False, **VARIANTS[variant]))
     for i in range(batch):  # prompts one token short of the context; their first step prefills them
         engine.add_request([1000 + (7 * i + j) % 30000 for j in range(context - 1)],
                            SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()
     requests = list(engine.running)
+    assert len(requests) == batch and all(r.output_token_ids for r in requests), "not every prompt was prefilled"
     graphs = engine.graphs
     assert graphs is not None and graphs.graphs, engine.graph_status()
     bucket = graphs.bucket_for(len(requests))

@@ -1,0 +1,112 @@
+"""The benchmark scripts the GPU evidence run calls (scripts/gpu_suite.sh), run end to end on the CPU at a tiny
+scale: each one finishes and writes its JSON. They read engines and requests in ways the engine tests do not
+(a script that still read a removed engine attribute failed only on the GPU); this keeps them in step with the
+engines. The CUDA-only ones (kernel benches, profile_step) are read here only where they can be on a CPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = ["--model", "tiny-llama", "--device", "cpu"]
+
+
+def written(path: Path) -> dict:
+    assert path.is_file(), f"{path} was not written"
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_compare(tmp_path: Path) -> None:
+    import compare
+
+    out = tmp_path / "compare.json"
+    assert compare.main([*TINY, "--batch-sizes", "2", "--max-tokens", "3", "--no-hf",
+                         "--steps", "step06_paged_attention,step14_overlap_scheduling", "--output", str(out)]) == 0
+    assert {run["system"] for run in written(out)["runs"]} == {"step06_paged_attention", "step14_overlap_scheduling"}
+
+
+def test_bench_prefill(tmp_path: Path) -> None:
+    from step06_paged_attention import bench_prefill
+
+    out = tmp_path / "prefill.json"
+    assert bench_prefill.main([*TINY, "--attn", "torch", "--batch-sizes", "2", "--prompt-lens", "16",
+                               "--max-tokens", "3", "--output", str(out)]) == 0
+    assert len(written(out)["runs"]) == 3  # step 03, step 06 without batched prefill, step 06
+
+
+def test_bench_preempt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from step07_preemption import bench_preempt
+
+    out = tmp_path / "preempt.json"
+    monkeypatch.setattr(sys, "argv", ["bench_preempt.py", *TINY, "--requests", "3", "--min-len", "16",
+                                      "--max-len", "32", "--swap-blocks", "2", "--output", str(out)])
+    assert bench_preempt.main() == 0
+    doc = written(out)
+    assert len(doc["runs"]) == 4 and doc["swap_bandwidth"]["blocks"] == 2
+
+
+@pytest.mark.parametrize("step", ["step07_preemption", "step14_overlap_scheduling"])
+def test_bench_long_prompt(tmp_path: Path, step: str) -> None:
+    from step09_chunked_prefill import bench_long_prompt
+
+    out = tmp_path / "long-prompt.json"
+    assert bench_long_prompt.main([*TINY, "--step", step, "--budgets", "none", "--decoders", "2",
+                                   "--long-prompt-len", "48", "--steady-steps", "2", "--burst-requests", "2",
+                                   "--burst-prompt-len", "32", "--burst-max-tokens", "2", "--output", str(out)]) == 0
+    doc = written(out)
+    assert doc["stall"][0]["budget"] == "none" and doc["burst"][0]["survived"]
+
+
+def test_bench_prefix(tmp_path: Path) -> None:
+    from step10_prefix_caching import bench_prefix
+
+    out = tmp_path / "prefix.json"
+    assert bench_prefix.main([*TINY, "--step", "step14_overlap_scheduling", "--requests", "2", "--prefix-len", "32",
+                              "--suffix-len", "4", "--conversations", "2", "--turns", "2", "--user-len", "8",
+                              "--max-tokens", "2", "--output", str(out)]) == 0
+    assert len(written(out)["runs"]) == 4  # two scenarios, caching on and off
+
+
+def test_bench_overlap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from step14_overlap_scheduling import bench_overlap
+
+    out = tmp_path / "overlap.json"
+    monkeypatch.setattr(sys, "argv", ["bench_overlap.py", *TINY, "--batches", "2", "--prompt-len", "8",
+                                      "--max-tokens", "4", "--output", str(out)])
+    assert bench_overlap.main() == 0
+    row = written(out)["rows"][0]
+    assert row["batch"] == 2 and row["gpu_ms"] is None and row["overlap"]["decode_steps"] > 0
+
+
+def test_bench_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from step14_overlap_scheduling import bench_host
+
+    out = tmp_path / "host.json"
+    monkeypatch.setattr(sys, "argv", ["bench_host.py", "--batches", "2", "--prompt-len", "16", "--steps", "2",
+                                      "--output", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        assert bench_host.main() == 0
+    finally:
+        torch.set_num_threads(threads)  # the script keeps the forward on one thread: not the other tests
+    assert "schedule" in written(out)["rows"][0]["ms_per_step"]
+
+
+def test_profile_step_finds_our_attention_kernels() -> None:
+    """The decode profile's attention share is made of our kernels, found by their names (a rename once moved
+    them to "other" without a word)."""
+    pytest.importorskip("triton")
+    from step06_paged_attention.triton_kernels import PagedAttentionKernels
+    from step13_fused_decode.attention_pdl import PDLPagedAttentionKernels
+    from step13_fused_decode.profile_step import category_of
+
+    kernels = [getattr(PagedAttentionKernels, name) for name in ("write_kv_kernel", "decode_kernel", "merge_kernel")]
+    kernels += [getattr(PDLPagedAttentionKernels, name).kernel  # step 13's PDL twins, wrapped for their launch
+                for name in ("write_kv_kernel", "decode_kernel", "merge_kernel")]
+    names = [kernel.fn.__name__ for kernel in kernels]  # the names the profiler shows
+    assert all(category_of(name) == "attention (ours)" for name in names), names
+    assert category_of("_rope_and_kv_write_kernel") == "other"  # step 13's fused kernel: not attention
