@@ -90,7 +90,7 @@ serve() {
   echo "== step 08: concurrency through the openai SDK against the bare engine, serving step 07's engine and the final one"
   for step in step07_preemption step14_overlap_scheduling; do
     python step08_serve/bench_serve.py "${SEVEN_B[@]}" --step "$step" --concurrency 1,8,32 --max-tokens 128 \
-      --output "$G/serve-$step.json"
+      --output "$G/serve-${step%%_*}.json"
   done
 }
 
@@ -107,10 +107,11 @@ stall() {
 
 bursts() {
   echo "== 64 prompts of 2,080 tokens at once to the bare engine (step 07, the final engine); bursts through the server"
-  for step in step07_preemption step14_overlap_scheduling; do
-    python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" --step "$step" --scenarios burst \
-      --burst-requests 64 --burst-prompt-len 2080 --output "$G/burst-$step.json"
-  done
+  local burst=(--scenarios burst --burst-requests 64 --burst-prompt-len 2080)
+  python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" "${burst[@]}" --step step07_preemption \
+    --output "$G/burst-step07.json"
+  python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" "${burst[@]}" --step step14_overlap_scheduling \
+    --budgets default --output "$G/burst-step14.json"
   python step09_chunked_prefill/bench_burst_serve.py "${SEVEN_B[@]}" --bursts 64x2000,256x4000 --max-tokens 16 \
     --output "$G/burst-serve.json"
 }
@@ -119,7 +120,7 @@ prefix() {
   echo "== 64 requests sharing a 2,048-token prefix, and 32 conversations x 4 turns, caching on and off"
   for step in step10_prefix_caching step14_overlap_scheduling; do
     python step10_prefix_caching/bench_prefix.py "${SEVEN_B[@]}" --step "$step" --requests 64 --prefix-len 2048 \
-      --suffix-len 32 --conversations 32 --turns 4 --user-len 256 --output "$G/prefix-$step.json"
+      --suffix-len 32 --conversations 32 --turns 4 --user-len 256 --output "$G/prefix-${step%%_*}.json"
   done
 }
 
@@ -127,7 +128,7 @@ nanovllm() {
   echo "== the 256-sequence workload (lengths uniform in [100, 1024]) on random:qwen3-0.6b: step 10 (eager) and the final engine"
   for step in step10_prefix_caching step14_overlap_scheduling; do
     python "$step/run.py" --bench --workload nanovllm --model random:qwen3-0.6b --device cuda --no-hf \
-      --bench-output "$G/nanovllm-$step.json"
+      --bench-output "$G/nanovllm-${step%%_*}.json"
   done
 }
 
