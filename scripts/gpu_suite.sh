@@ -46,12 +46,6 @@ decode_large() {
     --output "$G/decode-batch32-64.json"
 }
 
-decode_long() {
-  echo "== steps 03, 06 and HF generate() with 1024-token prompts: gathering K/V grows with the context"
-  python compare.py "${SEVEN_B[@]}" --batch-sizes 1,8,64 --prompt-len 1024 --max-tokens 128 \
-    --steps step03_vectorized_gather,step06_paged_attention --output "$G/decode-prompt1024.json"
-}
-
 decode_profile() {
   echo "== where a replayed decode step's GPU time goes (step 12's plain graphs, step 13's fused kernels), batch 1, 8, 64"
   python step13_fused_decode/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 --output "$G/decode-profile.json"
@@ -63,11 +57,15 @@ overlap() {
 }
 
 kernels() {
-  echo "== the kernels alone, each checked then timed: step 06's paged decode and prefill, step 13's skinny matmul"
+  echo "== step 06's kernels alone, each checked then timed: paged decode, paged prefill"
   python step06_paged_attention/run.py --kernel-bench --batches 1,8,32,64 --contexts 128,512,2048,8192 \
     --output "$G/kernel-paged-decode.json"
   python step06_paged_attention/prefill_kernel_bench.py --points 256x16384,1024x16384,2048x2048 \
     --output "$G/kernel-paged-prefill.json"
+}
+
+matmul() {
+  echo "== step 13's skinny matrix multiply against cuBLAS at Qwen2.5-7B's projection shapes, 1 to 16 rows"
   python step13_fused_decode/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16 --output "$G/kernel-skinny-matmul.json"
 }
 
@@ -95,12 +93,15 @@ serve() {
 }
 
 stall() {
-  echo "== 32 decoders and one 16,000-token prompt: step 07 (no budget), step 09 per budget, the final engine"
+  echo "== 32 decoders and one 16,000-token prompt: step 07 (no budget), step 09 (eager mixed steps) and step 12 (mixed"
+  echo "   steps as graphs) per budget, the final engine at its default"
   local stall=(--scenarios stall --decoders 32 --long-prompt-len 16000)
   python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" "${stall[@]}" --step step07_preemption \
     --output "$G/stall-step07.json"
-  python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" "${stall[@]}" --step step09_chunked_prefill \
-    --budgets none,256,512,1024,2048,default --output "$G/stall-step09.json"
+  for step in step09_chunked_prefill step12_cuda_graph; do
+    python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" "${stall[@]}" --step "$step" \
+      --budgets none,256,512,1024,2048 --output "$G/stall-${step%%_*}.json"
+  done
   python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" "${stall[@]}" --step step14_overlap_scheduling \
     --budgets none,default --output "$G/stall-step14.json"
 }
@@ -148,5 +149,5 @@ all_tests() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity decode_small decode_large decode_long decode_profile overlap kernels step06_parts preempt serve stall bursts prefix nanovllm checkpoint_memory all_tests)
+[ ${#sections[@]} -gt 0 ] || sections=(parity decode_small decode_large decode_profile overlap kernels matmul step06_parts preempt serve stall bursts prefix nanovllm checkpoint_memory all_tests)
 for section in "${sections[@]}"; do "$section"; done
