@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from scripts.decode_breakdown import breakdown_table
+
 Doc = dict[str, Any]
 
 
@@ -324,6 +326,7 @@ RENDERERS = (
     Renderer("prefill-kernel-bench", lambda doc: "q_len" in first(doc, "configs"), render_prefill_kernel_bench),
     Renderer("matmul-bench", lambda doc: isinstance(doc.get("shapes"), dict), render_matmul_bench),
     Renderer("profile", lambda doc: "replay_ms_per_step" in first(doc, "points"), render_profile),
+    Renderer("breakdown", lambda doc: "replay_ms_per_step" in first(doc, "points"), breakdown_table),
     Renderer("overlap", lambda doc: "overlap" in first(doc, "rows"), render_overlap),
     Renderer("host-per-step", lambda doc: "ms_per_step" in first(doc, "rows"), render_host_per_step),
     Renderer("checkpoint-memory", lambda doc: "peak_allocated_bytes" in doc, render_checkpoint_memory),

@@ -19,7 +19,8 @@ The kind of a file is read from what it holds (scripts/renderers.py: `RENDERERS`
     kernel-bench          step06_paged_attention/run.py --kernel-bench: kernel-bench-*.json
     prefill-kernel-bench  step06_paged_attention/prefill_kernel_bench.py: prefill-kernel-bench-*.json
     matmul-bench          step13_fused_decode/matmul_bench.py: matmul-bench-*.json
-    profile               step13_fused_decode/profile_step.py: profile-*.json
+    profile, breakdown    step13_fused_decode/profile_step.py: profile-*.json, decode-profile.json; breakdown splits
+                          each replayed step into the weight read and what lies above it (scripts/decode_breakdown.py)
     overlap               step14_overlap_scheduling/bench_overlap.py: overlap-*.json
     host-per-step         step14_overlap_scheduling/bench_host.py: host-per-step-*.json
     checkpoint-memory     scripts/check_checkpoint_memory.py: checkpoint-load-memory-*.json

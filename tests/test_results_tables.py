@@ -82,6 +82,16 @@ def profile_ceiling(doc: dict) -> tuple[int, str, str]:
 
 # Per kind, a committed file and one of its figures as the table must show it, computed here from the JSON:
 # (kind, file, figure(doc) -> (data row, column, text)).
+def breakdown_gaps(d: dict) -> tuple[int, str, str]:
+    """The first point's gaps between kernels: the replay less its kernels, and its share of the time above the
+    weight read."""
+    point = d["points"][0]
+    gaps = point["replay_ms_per_step"] - point["kernel_ms_per_step"]
+    above = point["replay_ms_per_step"] - min(point["ms_per_step_by_category"]["matrix multiply"],
+                                              d["weight_read_ceiling_ms"])
+    return 0, "gaps between kernels", f"{gaps:.2f} ms ({gaps / above:.0%})"
+
+
 FIGURES = [
     ("runs", "results/step12_cuda_graph/bench-nanovllm-cuda-random-qwen3-0.6b.json",
      lambda d: (0, "output tok/s", f"{d['runs'][0]['output_tok_per_s']:.1f}")),
@@ -108,6 +118,7 @@ FIGURES = [
                 f"{d['configs'][0]['tflops']:.0f} TFLOP/s")),
     ("matmul-bench", "results/step12_cuda_graph/matmul-bench-cuda-qwen2.5-7b.json", matmul_cublas),
     ("profile", "results/step13_fused_decode/profile-cuda-random-qwen2.5-7b-split-a.json", profile_ceiling),
+    ("breakdown", "results/gpu/decode-profile.json", breakdown_gaps),
     ("overlap", "results/step14_overlap_scheduling/overlap-cuda-random-qwen2.5-7b.json", overlap_gain),
     ("host-per-step", "results/step14_overlap_scheduling/host-per-step-cpu.json",
      lambda d: (2, "schedule", f"{d['rows'][2]['ms_per_step']['schedule']:.2f} ms")),
