@@ -3,6 +3,7 @@
     .venv/bin/python scripts/results_table.py results/step01_serial/bench-cpu-smollm2-135m-instruct.json
     .venv/bin/python scripts/results_table.py --pivot results/compare/cuda-random-qwen2.5-7b.json   # tok/s, batch x system
     .venv/bin/python scripts/results_table.py --kind burst results/step09_chunked_prefill/long-prompt-cpu-smollm2-135m-instruct.json
+    .venv/bin/python scripts/results_table.py --pivot --only "step01_serial; hf-generate" results/gpu/decode-batch1-8.json
     .venv/bin/python scripts/results_table.py --refresh README.md step0*/README.md    # rewrite every table from its file
 
 The kind of a file is read from what it holds (scripts/renderers.py: `RENDERERS`, one `render_<kind>` each):
@@ -39,29 +40,56 @@ import sys
 from scripts.renderers import RENDERERS
 
 
-def source_line(path: str, doc: dict) -> str:
-    return f"<!-- {path}: commit {doc['git_commit'][:10]}, {doc['device']}, {doc['model']}, {doc['dtype']} -->"
+# A table may show only some of a file's records: `<!-- results/x.json [step01_serial; hf-generate]: commit ... -->`.
+# The names are the runs' systems (compare.py, run.py --bench) or the profile points' variants (which hold commas).
+SELECTABLE = {"runs": "system", "points": "variant"}
 
 
-def tables_for(path: str) -> dict[str, list[str]]:
-    """Every table an evidence file can be shown as, by kind in `RENDERERS`' order, each under its source line."""
+def source_line(path: str, doc: dict, only: list[str] | None = None) -> str:
+    selected = f" [{'; '.join(only)}]" if only else ""
+    return (f"<!-- {path}{selected}: commit {doc['git_commit'][:10]}, {doc['device']}, {doc['model']}, "
+            f"{doc['dtype']} -->")
+
+
+def selected(path: str, doc: dict, only: list[str]) -> dict:
+    """The document with only the named records, in their order in the file."""
+    for records, key in SELECTABLE.items():
+        if records in doc:
+            unknown = set(only) - {r[key] for r in doc[records]}
+            if unknown:
+                raise ValueError(f"{path} has no {key} named {', '.join(sorted(unknown))}")
+            return {**doc, records: [r for r in doc[records] if r[key] in only]}
+    raise ValueError(f"{path}: only files with {' or '.join(SELECTABLE)} can be shown in part")
+
+
+def tables_for(path: str, only: list[str] | None = None) -> dict[str, list[str]]:
+    """Every table an evidence file can be shown as, by kind in `RENDERERS`' order, each under its source line;
+    with `only`, of the named records alone."""
     doc = json.load(open(path, encoding="utf-8"))
-    fitting = [r for r in RENDERERS if r.holds(doc)] if isinstance(doc, dict) else []
-    tables = {r.kind: [source_line(path, doc), *r.render(path, doc)] for r in fitting}
+    shown = selected(path, doc, only) if only else doc
+    fitting = [r for r in RENDERERS if r.holds(shown)] if isinstance(doc, dict) else []
+    tables = {r.kind: [source_line(path, doc, only), *r.render(path, shown)] for r in fitting}
     if not tables:
         raise ValueError(f"{path}: no table for this evidence: it is none of the kinds "
                          f"{', '.join(r.kind for r in RENDERERS)} (add a renderer to scripts/renderers.py)")
     return tables
 
 
-def table_for(path: str, kind: str | None = None) -> list[str]:
+def table_for(path: str, kind: str | None = None, only: list[str] | None = None) -> list[str]:
     """An evidence file's table as `kind`, or as the first kind it can be shown as."""
-    tables = tables_for(path)
+    tables = tables_for(path, only)
     if kind is None:
         return next(iter(tables.values()))
     if kind not in tables:
         raise ValueError(f"{path} cannot be shown as {kind}, only as: {', '.join(tables)}")
     return tables[kind]
+
+
+def parse_source(line: str) -> tuple[str, list[str] | None]:
+    """The file and the selected records named by a table's source line."""
+    source = line[len("<!-- "):].split(":", 1)[0]
+    path, _, names = source.partition(" [")
+    return path, [name.strip() for name in names.rstrip("]").split(";")] if names else None
 
 
 def header_cells(line: str) -> set[str]:
@@ -75,13 +103,13 @@ def refresh(markdown_path: str, write: bool) -> list[str]:
     while i < len(lines):
         line = lines[i]
         if line.startswith("<!-- results/") and line.endswith("-->"):
-            source = line[len("<!-- "):].split(":", 1)[0]
+            source, only = parse_source(line)
             end = i + 1
             while end < len(lines) and lines[end].startswith("|"):
                 end += 1
             # A file can be shown as several kinds (runs or pivot; stall or burst): the table keeps its own.
             shown = header_cells(lines[i + 1]) if end > i + 1 else set()
-            fresh = max(tables_for(source).values(), key=lambda table: len(header_cells(table[1]) & shown))
+            fresh = max(tables_for(source, only).values(), key=lambda table: len(header_cells(table[1]) & shown))
             if fresh != lines[i:end]:
                 stale.append(source)
             out += fresh
@@ -99,6 +127,7 @@ def main() -> None:
     p.add_argument("files", nargs="+")
     p.add_argument("--kind", choices=[r.kind for r in RENDERERS], help="the table to print (default: the file's first)")
     p.add_argument("--pivot", action="store_const", const="pivot", dest="kind", help="the same as --kind pivot")
+    p.add_argument("--only", help="the systems (or profile variants) to show, separated by ';', in the file's order")
     p.add_argument("--refresh", action="store_true", help="the files are markdown: rewrite their evidence tables")
     args = p.parse_args()
     for path in args.files:
@@ -107,7 +136,8 @@ def main() -> None:
                 stale = refresh(path, write=True)
                 print(f"{path}: {len(stale)} table(s) rewritten" if stale else f"{path}: up to date")
             else:
-                print("\n".join(table_for(path, args.kind)) + "\n")
+                only = [name.strip() for name in args.only.split(";")] if args.only else None
+                print("\n".join(table_for(path, args.kind, only)) + "\n")
         except ValueError as err:
             sys.exit(f"error: {err}")
 

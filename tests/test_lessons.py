@@ -23,8 +23,9 @@ LOG_PHRASES = (
 )
 # Seven to twelve hex digits with at least one letter and one digit: how a commit hash looks in prose.
 COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}\b")
-# A generated table's source line names a committed file: `<!-- results/...: commit ..., device, ... -->`.
-TABLE_MARKER = re.compile(r"<!--\s*(\S+?):\s*commit\b")
+# A generated table's source line names a committed file, and maybe the records it shows:
+# `<!-- results/...json [a; b]: commit ..., device, ... -->`.
+TABLE_MARKER = re.compile(r"<!--\s*(\S+?)(?:\s+\[[^\]]*\])?:\s*commit\b")
 
 
 def prose_of(text: str) -> str:
@@ -86,3 +87,4 @@ def test_the_checks_can_fail() -> None:
     assert len(log_phrasing(log)) == 2
     assert log_phrasing("Run `git show c064396:results/x.json`.\n<!-- results/x.json: commit c064396 -->\n") == []
     assert markers_without_a_file("<!-- commit c064396, H200 -->\n<!-- results/nothing.json: commit c0 -->") != []
+    assert markers_without_a_file("<!-- results/gpu/decode-batch1-8.json [step01_serial; hf-generate]: commit c0 -->") == []

@@ -185,3 +185,25 @@ def test_refresh_regenerates_any_kind_as_the_kind_the_table_is(tmp_path: Path,
     assert refresh(str(readme), write=True) == [long_prompt]
     assert readme.read_text(encoding="utf-8") == "\n".join(["# lesson", *stall, "", "text", *burst, "", "end"])
     assert refresh(str(readme), write=False) == []
+
+
+def test_a_table_can_show_some_records_and_refresh_keeps_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`[a; b]` after the file keeps a table to the named systems; refresh regenerates that part only."""
+    monkeypatch.chdir(REPO)
+    path = "results/gpu/decode-batch1-8.json"
+    table = table_for(path, "pivot", ["step01_serial", "hf-generate"])
+    assert table[0].startswith(f"<!-- {path} [step01_serial; hf-generate]: commit ")
+    assert table[1] == "| batch | step01_serial | hf-generate |"
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    hf_at_1 = next(r for r in doc["runs"] if r["system"] == "hf-generate" and r["batch"] == 1)
+    assert cell(table, 0, "hf-generate") == f"{hf_at_1['output_tok_per_s']:.1f}"
+    readme = tmp_path / "README.md"
+    readme.write_text("\n".join([table[0], *table[1:3], "| 1 | 0.0 | 0.0 |"]) + "\n", encoding="utf-8")
+    assert refresh(str(readme), write=True) == [path]
+    assert readme.read_text(encoding="utf-8").split("\n")[:len(table)] == table
+
+
+def test_a_record_the_file_lacks_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ValueError, match="no system named step99"):
+        table_for("results/gpu/decode-batch1-8.json", "pivot", ["step99"])
