@@ -11,10 +11,8 @@ into that weight read and what it spends above it:
   overlap: with programmatic dependent launch (PDL) a kernel starts early, and its time includes its wait.
 Kernel times come from eager runs of the same forward under torch.profiler, the step from graph replays.
 
-    .venv/bin/python scripts/decode_breakdown.py results/step13_fused_decode/profile-cuda-random-qwen2.5-7b-split-a.json
-    .venv/bin/python scripts/decode_breakdown.py \\
-        results/step13_fused_decode/profile-cuda-random-qwen2.5-7b-split-a.json \\
-        --plot results/step12_cuda_graph/decode-breakdown-cuda-random-qwen2.5-7b.png
+    .venv/bin/python scripts/decode_breakdown.py results/gpu/decode-profile.json
+    .venv/bin/python scripts/decode_breakdown.py results/gpu/decode-profile.json --plot results/gpu/decode-breakdown.png
 """
 
 from __future__ import annotations
