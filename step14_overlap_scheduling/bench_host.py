@@ -43,15 +43,17 @@ def host_ms_per_step(batch: int, prompt_len: int, steps: int) -> dict[str, float
     loaded = load_model("tiny-llama")
     engine = OverlapSchedulingEngine(loaded, OverlapSchedulingEngineConfig(
         device="cpu", block_size=16, attn="torch", num_blocks=batch * (-(-(prompt_len + steps + 8) // 16)),
-        max_graph_batch=batch))
+        # A budget that prefills every prompt in one step: under a smaller one the first requests would reach
+        # max_tokens while the last prompts wait, and the timed steps would hold fewer requests than `batch`.
+        max_num_batched_tokens=batch * prompt_len, max_graph_batch=batch))
     rng = random.Random(0)
     for _ in range(batch):
         engine.add_request([rng.randrange(100, 40000) for _ in range(prompt_len)],
                            SamplingParams(max_tokens=steps + 4, ignore_eos=True))
-    # The prefill, not measured: in chunks under the token budget, until every request decodes.
-    while engine.waiting or any(not r.output_token_ids for r in engine.running):
-        engine.step()
+    engine.step()  # the prefill, not measured
     engine.step()
+    decoding = [r for r in engine.running if r.output_token_ids]
+    assert len(decoding) == batch, f"{len(decoding)} of {batch} requests decode: the timed steps would not hold all"
     totals: dict[str, float] = defaultdict(float)
     graphs = engine.graphs
     assert graphs is not None
