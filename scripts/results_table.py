@@ -1,8 +1,8 @@
 """Print benchmark evidence as markdown tables, so README figures are copied from evidence, not typed.
 
-    .venv/bin/python scripts/results_table.py results/step01_serial/bench-cpu-smollm2-135m-instruct.json
+    .venv/bin/python scripts/results_table.py results/cpu/decode-all-steps.json
     .venv/bin/python scripts/results_table.py --pivot results/compare/cuda-random-qwen2.5-7b.json   # tok/s, batch x system
-    .venv/bin/python scripts/results_table.py --kind burst results/step09_chunked_prefill/long-prompt-cpu-smollm2-135m-instruct.json
+    .venv/bin/python scripts/results_table.py --kind burst results/cpu/stall.json
     .venv/bin/python scripts/results_table.py --pivot --only "step01_serial; hf-generate" results/gpu/decode-batch1-8.json
     .venv/bin/python scripts/results_table.py --refresh README.md step0*/README.md    # rewrite every table from its file
 

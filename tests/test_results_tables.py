@@ -97,7 +97,7 @@ FIGURES = [
      lambda d: (0, "output tok/s", f"{d['runs'][0]['output_tok_per_s']:.1f}")),
     ("pivot", "results/compare/cuda-random-qwen2.5-7b.json",
      lambda d: (0, d["runs"][0]["system"], f"{d['runs'][0]['output_tok_per_s']:.1f}")),
-    ("preempt", "results/step07_preemption/preempt-cuda-random-qwen2.5-7b.json", swap_bandwidth),
+    ("preempt", "results/gpu/preempt.json", swap_bandwidth),
     ("serve", "results/step08_serve/serve-cuda-random-qwen2.5-7b.json",
      lambda d: (3, "vs concurrency 1", f"{d['runs'][3]['output_tok_per_s'] / d['runs'][0]['output_tok_per_s']:.2f}x")),
     ("burst-serve", f"{STEP09}/burst-serve-cuda-random-qwen2.5-7b-default-row-tables.json",
@@ -107,20 +107,20 @@ FIGURES = [
     ("stall", f"{STEP09}/long-prompt-cuda-random-qwen2.5-7b-default-row-tables.json", unchunked_ratio),
     ("stall", f"{STEP09}/long-prompt-cuda-random-qwen2.5-7b-default-row-tables.json",
      lambda d: (1, "budget (tokens)", f"default ({d['stall'][1]['budget_tokens']})")),
-    ("burst", f"{STEP09}/long-prompt-cpu-smollm2-135m-instruct.json",
+    ("burst", "results/cpu/stall.json",
      lambda d: (2, "all done in", f"{d['burst'][2]['elapsed_s']:.1f} s")),
     ("burst", f"{STEP09}/burst-cuda-random-qwen2.5-7b-step07.json",
      lambda d: (0, "answered", f"0 of {d['settings']['burst_requests']}: out of memory")),
-    ("kernel-bench", "results/step06_paged_attention/kernel-bench-cuda-qwen2.5-7b-heads-6bb8d6e.json",
+    ("kernel-bench", "results/gpu/kernel-paged-decode.json",
      kernel_share_of_copy),
-    ("prefill-kernel-bench", "results/step06_paged_attention/prefill-kernel-bench-cuda-qwen2.5-7b.json",
+    ("prefill-kernel-bench", "results/gpu/kernel-paged-prefill.json",
      lambda d: (0, f"{d['configs'][0]['q_len']:,} new over {d['configs'][0]['context']:,} cached",
                 f"{d['configs'][0]['tflops']:.0f} TFLOP/s")),
     ("matmul-bench", "results/step12_cuda_graph/matmul-bench-cuda-qwen2.5-7b.json", matmul_cublas),
-    ("profile", "results/step13_fused_decode/profile-cuda-random-qwen2.5-7b-split-a.json", profile_ceiling),
+    ("profile", "results/gpu/decode-profile.json", profile_ceiling),
     ("breakdown", "results/gpu/decode-profile.json", breakdown_gaps),
-    ("overlap", "results/step14_overlap_scheduling/overlap-cuda-random-qwen2.5-7b.json", overlap_gain),
-    ("host-per-step", "results/step14_overlap_scheduling/host-per-step-cpu.json",
+    ("overlap", "results/gpu/overlap.json", overlap_gain),
+    ("host-per-step", "results/cpu/host-per-step.json",
      lambda d: (2, "schedule", f"{d['rows'][2]['ms_per_step']['schedule']:.2f} ms")),
     ("checkpoint-memory", "results/gpu/checkpoint-load-memory-qwen2.5-7b.json",
      lambda d: (0, "peak / weights", f"{d['peak_allocated_bytes'] / d['weight_bytes']:.3f}x")),
@@ -148,7 +148,7 @@ def test_every_committed_evidence_file_has_a_table(path: str, monkeypatch: pytes
 
 
 @pytest.mark.parametrize("path, kind", [
-    (f"{STEP09}/long-prompt-cpu-smollm2-135m-instruct.json", "stall"),
+    ("results/cpu/stall.json", "stall"),
     (f"{STEP09}/burst-cuda-random-qwen2.5-7b.json", "burst"),
     (f"{STEP09}/burst-serve-cuda-random-qwen2.5-7b.json", "burst-serve"),
     ("results/step06_paged_attention/prefill-vs-paged-cuda-random-qwen2.5-7b.json", "runs"),
@@ -169,15 +169,15 @@ def test_unknown_evidence_is_an_error_naming_the_file(tmp_path: Path) -> None:
 
 def test_a_kind_the_file_is_not_is_an_error_naming_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
-    with pytest.raises(ValueError, match=r"preempt-cuda-random-qwen2.5-7b.json cannot be shown as serve"):
-        table_for("results/step07_preemption/preempt-cuda-random-qwen2.5-7b.json", "serve")
+    with pytest.raises(ValueError, match=r"results/gpu/preempt.json cannot be shown as serve"):
+        table_for("results/gpu/preempt.json", "serve")
 
 
 def test_refresh_regenerates_any_kind_as_the_kind_the_table_is(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A stale table of a new kind is rewritten; a file shown as its second kind (burst) stays that kind."""
     monkeypatch.chdir(REPO)
-    long_prompt = f"{STEP09}/long-prompt-cpu-smollm2-135m-instruct.json"
+    long_prompt = "results/cpu/stall.json"
     stall, burst = table_for(long_prompt, "stall"), table_for(long_prompt, "burst")
     stale_stall = [*stall[:3], stall[3].replace("| 1 |", "| 2 |", 1), *stall[4:]]
     readme = tmp_path / "README.md"
