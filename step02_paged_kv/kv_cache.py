@@ -105,11 +105,13 @@ class PagedDecodeForward(ForwardContext):
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store each request's new K/V in its slot: a loop over requests."""
-        size = self.cache.block_size
+        # The layer's pool seen as one row per slot (a view: writing a row writes the pool).
+        k_slots = self.cache.k[layer_idx].flatten(0, 1)
+        v_slots = self.cache.v[layer_idx].flatten(0, 1)
         for i, (table, length) in enumerate(zip(self.block_tables, self.seq_lens)):
-            block, offset = table[(length - 1) // size], (length - 1) % size
-            self.cache.k[layer_idx, block, offset] = k[i]
-            self.cache.v[layer_idx, block, offset] = v[i]
+            slot = self.cache.slot(table, length - 1)  # the new token's position is length - 1
+            k_slots[slot] = k[i]
+            v_slots[slot] = v[i]
 
     def gather_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy every request's blocks into a dense, padded batch: a loop over requests and their blocks."""
