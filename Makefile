@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install tour test results notebooks
+.PHONY: install tour test results notebooks exercise exercises
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,13 @@ tour: install
 # -rs lists every skipped test with its reason (a GPU, flash-attn, or Triton's platform).
 test: install
 	$(BIN)/python -m pytest -rs tests --nbmake notebooks
+
+# The exercises (exercises/README.md): list them with their status, or check one, e.g. make exercise EX=02-slot-mapping
+exercises: install
+	$(BIN)/python -m exercises list
+
+exercise: install
+	$(BIN)/python -m exercises run $(EX)
 
 # The CPU evidence run: the committed CPU files that the lessons' tables cite, measured again at one commit (about
 # half an hour on 2 cores), and every table refreshed from them.
