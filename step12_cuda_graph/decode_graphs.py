@@ -151,6 +151,17 @@ class StaticDecodeInputs:
     def fill(self, batch: DecodeBatch, bucket: int) -> None:
         """Rows 0..n-1 get the requests; rows n..bucket-1 are padding: one token at position 0 of the dummy block."""
         self.wait_for_last_copy()
+        self.write_rows(batch, bucket)
+        prefix = len(self.FIELDS) * self.max_batch + bucket * self.width
+        self.device_buffer[:prefix].copy_(self.host_buffer[:prefix], non_blocking=True)
+        if self.device_buffer.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    # The rows' values apart from their transfer (`fill`): what a padded bucket holds, written in one place.
+    def write_rows(self, batch: DecodeBatch, bucket: int) -> None:
+        """Write the host buffer's first `bucket` rows of every field: the requests, then padded rows (token 0,
+        position 0, length 1, slot and table on the dummy block, which no request reads)."""
         host, tables = self.host, batch.tables
         pad = bucket - len(batch)
         size, dummy = self.block_size, self.dummy_block
@@ -164,11 +175,6 @@ class StaticDecodeInputs:
         used = max((len(t) for t in tables), default=1)
         rows = [t + [dummy] * (used - len(t)) for t in tables] + [[dummy] * used] * pad
         host["block_table"][:bucket, :used] = torch.tensor(rows, dtype=torch.int32)
-        prefix = len(self.FIELDS) * self.max_batch + bucket * self.width
-        self.device_buffer[:prefix].copy_(self.host_buffer[:prefix], non_blocking=True)
-        if self.device_buffer.is_cuda:
-            self.copied = torch.cuda.Event()
-            self.copied.record()
 
 
 class PendingTokens:
