@@ -78,9 +78,19 @@ class AttentionBackend(ABC):
 
 
 class TorchBackend(AttentionBackend):
-    """The reference: gather each sequence out of the pool, then PyTorch's scaled_dot_product_attention."""
+    """The reference: gather each sequence out of the pool, then PyTorch's scaled_dot_product_attention.
+
+    With `splits` > 1 its decode works as our Triton kernel does, in plain torch (split-K): each part of the
+    keys gives a partial result, and `merge_splits` combines them. The default, 1, is the oracle; the split
+    path is checked against it (tests/test_step06_paged_attention.py), and is the lesson's exercise."""
 
     name = "torch"
+
+    def __init__(self, splits: int = 1) -> None:
+        self.splits = splits
+
+    def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
+        return self.splits
 
     @staticmethod
     def gather(cache: torch.Tensor, meta: AttentionMetadata, width: int) -> torch.Tensor:
@@ -90,12 +100,43 @@ class TorchBackend(AttentionBackend):
         return rows.flatten(1, 2)[:, :width]
 
     def decode(self, q, k_cache, v_cache, meta):
-        keys = self.gather(k_cache, meta, meta.max_seq_len).transpose(1, 2)
-        values = self.gather(v_cache, meta, meta.max_seq_len).transpose(1, 2)
+        keys = self.gather(k_cache, meta, meta.max_seq_len)
+        values = self.gather(v_cache, meta, meta.max_seq_len)
         key_pos = torch.arange(meta.max_seq_len, device=q.device)
-        mask = (key_pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]
-        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True)
+        valid = key_pos[None, :] < meta.seq_lens[:, None]  # [batch, max_seq_len]
+        splits = self.num_splits(q.shape[0], k_cache.shape[2], meta.max_seq_len)
+        if splits > 1:
+            return self.split_decode(q, keys, values, valid, splits)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=valid[:, None, None, :], enable_gqa=True)
         return out[:, :, 0, :]
+
+    def split_decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                     splits: int) -> torch.Tensor:
+        """Split-K decode in float32: the padded keys `[batch, max_len, kv_heads, head_dim]` cut into `splits`
+        consecutive parts; each part's max `m`, sum `l` of exp(s - m) and `acc`, the sum of exp(s - m) * v, as
+        the kernel's splits store them; then `merge_splits`. A part holding none of its request's keys (a short
+        request, or the padding) gives m = -inf, l = 0, acc = 0."""
+        batch, heads, head_dim = q.shape
+        group = heads // keys.shape[2]
+        width = -(-keys.shape[1] // splits)  # keys per part, padded so that every part has `width`
+        pad = width * splits - keys.shape[1]
+        keys = F.pad(keys.float(), (0, 0, 0, 0, 0, pad)).repeat_interleave(group, dim=2)  # [batch, keys, heads, d]
+        values = F.pad(values.float(), (0, 0, 0, 0, 0, pad)).repeat_interleave(group, dim=2)
+        scores = torch.einsum("bhd,bthd->bht", q.float(), keys) * head_dim**-0.5
+        scores = scores.masked_fill(~F.pad(valid, (0, pad))[:, None, :], float("-inf"))
+        scores = scores.view(batch, heads, splits, width)
+        m = scores.amax(-1)  # [batch, heads, splits]
+        p = torch.exp(scores - m.masked_fill(m == float("-inf"), 0.0)[..., None])  # an empty part: exp(-inf) = 0
+        acc = torch.einsum("bhsw,bswhd->bhsd", p, values.view(batch, splits, width, heads, head_dim))
+        return self.merge_splits(acc, m, p.sum(-1)).to(q.dtype)
+
+    def merge_splits(self, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+        """The splits' partial results combined: acc `[batch, heads, splits, head_dim]`, m and l
+        `[batch, heads, splits]` -> `[batch, heads, head_dim]`, what `merge_splits_kernel` computes."""
+        m_max = m.amax(-1, keepdim=True)  # finite: every request's first part holds its first key
+        weight = torch.exp(m - m_max)  # each part rescaled to the common max; 0 for an empty part
+        return (acc * weight[..., None]).sum(-2) / (l * weight).sum(-1, keepdim=True)
 
     def prefill(self, q, k_cache, v_cache, meta):
         keys = self.gather(k_cache, meta, meta.max_seq_len)
