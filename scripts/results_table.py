@@ -41,7 +41,8 @@ from scripts.renderers import RENDERERS
 
 
 # A table may show only some of a file's records: `<!-- results/x.json [step01_serial; hf-generate]: commit ... -->`.
-# The names are the runs' systems (compare.py, run.py --bench) or the profile points' variants (which hold commas).
+# The names are the runs' systems (compare.py, run.py --bench), the profile points' variants (which hold commas),
+# or a matmul benchmark's row counts ([1; 8]).
 SELECTABLE = {"runs": "system", "points": "variant"}
 
 
@@ -53,6 +54,12 @@ def source_line(path: str, doc: dict, only: list[str] | None = None) -> str:
 
 def selected(path: str, doc: dict, only: list[str]) -> dict:
     """The document with only the named records, in their order in the file."""
+    if "shapes" in doc:  # matmul_bench.py: one point per projection and row count
+        rows = [n for n in doc["rows"] if str(n) in only]
+        if len(rows) != len(only):
+            raise ValueError(f"{path} has rows {doc['rows']}, not all of {'; '.join(only)}")
+        return {**doc, "rows": rows,
+                "shapes": {name: [p for p in points if p["rows"] in rows] for name, points in doc["shapes"].items()}}
     for records, key in SELECTABLE.items():
         if records in doc:
             unknown = set(only) - {r[key] for r in doc[records]}
@@ -127,7 +134,7 @@ def main() -> None:
     p.add_argument("files", nargs="+")
     p.add_argument("--kind", choices=[r.kind for r in RENDERERS], help="the table to print (default: the file's first)")
     p.add_argument("--pivot", action="store_const", const="pivot", dest="kind", help="the same as --kind pivot")
-    p.add_argument("--only", help="the systems (or profile variants) to show, separated by ';', in the file's order")
+    p.add_argument("--only", help="the systems (profile variants, matmul row counts) to show, separated by ';', in the file's order")
     p.add_argument("--refresh", action="store_true", help="the files are markdown: rewrite their evidence tables")
     args = p.parse_args()
     for path in args.files:
