@@ -1,6 +1,6 @@
 """Plot step 09's budget sweep: the decoders' longest wait against the long prompt's time to first token.
 
-    .venv/bin/python scripts/plot_budget_sweep.py results/step09_chunked_prefill/long-prompt-cuda-random-qwen2.5-7b.json
+    .venv/bin/python scripts/plot_budget_sweep.py results/gpu/stall-step09.json --output runs/stall-step09.png
 
 Reads the evidence of `step09_chunked_prefill/bench_long_prompt.py` (its "stall" rows) and writes a PNG next
 to it (or to --output): one point per budget, x the long prompt's time to first token, y the decoders'

@@ -1,13 +1,13 @@
 """Plot cross-step comparison evidence: output tokens per second against batch size, one line per system.
 
     .venv/bin/python scripts/plot_compare.py runs/compare/cpu-smollm2-135m-instruct.json        # writes the .png next to it
-    .venv/bin/python scripts/plot_compare.py results/compare/*.json --output runs/compare.png   # one panel per file
-    .venv/bin/python scripts/plot_compare.py results/compare/cuda-random-qwen2.5-7b.json --ceiling-bandwidth-tbs 4.2 --log-y \\
-        --output runs/compare/cuda-random-qwen2.5-7b-ceiling.png
+    .venv/bin/python scripts/plot_compare.py results/gpu/decode-*.json --output runs/compare.png   # one panel per file
+    .venv/bin/python scripts/plot_compare.py results/gpu/decode-batch1-8.json --ceiling-bandwidth-tbs 4.2 --log-y \\
+        --output runs/compare/decode-batch1-8-ceiling.png
 
 Reads the JSON evidence that `compare.py` writes (`common/bench.py: write_evidence`): every figure drawn is
 a figure in the file. That is compare.py's own under runs/compare/ (ignored by git), or the committed
-evidence under results/compare/: give that an --output outside results/, or the committed plot next to it is
+evidence under results/gpu/ and results/cpu/: give that an --output outside results/, or the committed plot next to it is
 replaced. The line goes through the run each file reports (the one `median_of` kept of its repeats); the
 faint dots are every repeat, from `extra.repeats_tok_per_s`. The title names the device, model, dtype and
 commit the evidence records. `compare.py` calls `write_plot` itself after writing its evidence.
@@ -173,7 +173,7 @@ def write_plot(files: list[str | Path], output: str | Path, log_y: bool = False,
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+",
-                   help="compare evidence JSON files (runs/compare/*.json, or the committed results/compare/*.json)")
+                   help="compare evidence JSON files (runs/compare/*.json, or the committed results/gpu/decode-*.json)")
     p.add_argument("--output", type=Path, help="PNG to write (default: next to the single input file, with .png)")
     p.add_argument("--log-y", action="store_true", help="log-scale throughput axis too")
     p.add_argument("--ceiling-bandwidth-tbs", type=float, metavar="TB/S",

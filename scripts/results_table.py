@@ -1,30 +1,30 @@
 """Print benchmark evidence as markdown tables, so README figures are copied from evidence, not typed.
 
     .venv/bin/python scripts/results_table.py results/cpu/decode-all-steps.json
-    .venv/bin/python scripts/results_table.py --pivot results/compare/cuda-random-qwen2.5-7b.json   # tok/s, batch x system
+    .venv/bin/python scripts/results_table.py --pivot results/gpu/decode-batch32-64.json   # tok/s, batch x system
     .venv/bin/python scripts/results_table.py --kind burst results/cpu/stall.json
     .venv/bin/python scripts/results_table.py --pivot --only "step01_serial; hf-generate" results/gpu/decode-batch1-8.json
     .venv/bin/python scripts/results_table.py --refresh README.md step0*/README.md    # rewrite every table from its file
 
 The kind of a file is read from what it holds (scripts/renderers.py: `RENDERERS`, one `render_<kind>` each):
 
-    runs, pivot           compare.py, run.py --bench (also --workload nanovllm): results/compare/*.json,
-                          results/*/bench-*.json, decode-*.json, nanovllm-*.json, prefill-vs-paged-*.json;
+    runs, pivot           compare.py, run.py --bench (also --workload nanovllm): gpu/decode-*.json,
+                          gpu/nanovllm-*.json, gpu/step06-*.json, cpu/decode-all-steps.json;
                           pivot is the same runs as tok/s only, batch x system
-    preempt               step07_preemption/bench_preempt.py: preempt-*.json
-    serve                 step08_serve/bench_serve.py: serve-*.json
-    stall, burst          step09_chunked_prefill/bench_long_prompt.py: long-prompt-*.json, burst-*.json (a file
-                          holding both scenarios is shown as stall; --kind burst for the other)
-    burst-serve           step09_chunked_prefill/bench_burst_serve.py: burst-serve-*.json
-    prefix                step10_prefix_caching/bench_prefix.py: prefix-*.json
-    kernel-bench          step06_paged_attention/run.py --kernel-bench: kernel-bench-*.json
-    prefill-kernel-bench  step06_paged_attention/prefill_kernel_bench.py: prefill-kernel-bench-*.json
-    matmul-bench          step13_fused_decode/matmul_bench.py: matmul-bench-*.json
-    profile, breakdown    step13_fused_decode/profile_step.py: profile-*.json, decode-profile.json; breakdown splits
-                          each replayed step into the weight read and what lies above it (scripts/decode_breakdown.py)
-    overlap               step14_overlap_scheduling/bench_overlap.py: overlap-*.json
-    host-per-step         step14_overlap_scheduling/bench_host.py: host-per-step-*.json
-    checkpoint-memory     scripts/check_checkpoint_memory.py: checkpoint-load-memory-*.json
+    preempt               step07_preemption/bench_preempt.py: gpu/preempt.json
+    serve                 step08_serve/bench_serve.py: gpu/serve-*.json
+    stall, burst          step09_chunked_prefill/bench_long_prompt.py: gpu/stall-*.json, gpu/burst-*.json,
+                          cpu/stall.json (a file holding both scenarios is shown as stall; --kind burst for the other)
+    burst-serve           step09_chunked_prefill/bench_burst_serve.py: gpu/burst-serve.json
+    prefix                step10_prefix_caching/bench_prefix.py: gpu/prefix-*.json, cpu/prefix.json
+    kernel-bench          step06_paged_attention/run.py --kernel-bench: gpu/kernel-paged-decode*.json
+    prefill-kernel-bench  step06_paged_attention/prefill_kernel_bench.py: gpu/kernel-paged-prefill.json
+    matmul-bench          step13_fused_decode/matmul_bench.py: gpu/kernel-skinny-matmul.json
+    profile, breakdown    step13_fused_decode/profile_step.py: gpu/decode-profile.json; breakdown splits each
+                          replayed step into the weight read and what lies above it (scripts/decode_breakdown.py)
+    overlap               step14_overlap_scheduling/bench_overlap.py: gpu/overlap.json
+    host-per-step         step14_overlap_scheduling/bench_host.py: cpu/host-per-step.json
+    checkpoint-memory     scripts/check_checkpoint_memory.py: gpu/checkpoint-load-memory-*.json
 
 In a README, every table generated here starts with its source line (`<!-- results/....json: ... -->`);
 `--refresh` regenerates each such table in place, as the kind whose header shares the most columns with the

@@ -29,7 +29,7 @@ def test_the_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert refresh(str(tampered), write=False) != []
 
 
-STEP09 = "results/step09_chunked_prefill"
+GPU = "results/gpu"
 
 
 def cell(table: list[str], row: int, column: str) -> str:
@@ -93,30 +93,30 @@ def breakdown_gaps(d: dict) -> tuple[int, str, str]:
 
 
 FIGURES = [
-    ("runs", "results/step12_cuda_graph/bench-nanovllm-cuda-random-qwen3-0.6b.json",
+    ("runs", f"{GPU}/nanovllm-step14.json",
      lambda d: (0, "output tok/s", f"{d['runs'][0]['output_tok_per_s']:.1f}")),
-    ("pivot", "results/compare/cuda-random-qwen2.5-7b.json",
+    ("pivot", f"{GPU}/decode-batch1-8.json",
      lambda d: (0, d["runs"][0]["system"], f"{d['runs'][0]['output_tok_per_s']:.1f}")),
     ("preempt", "results/gpu/preempt.json", swap_bandwidth),
-    ("serve", "results/step08_serve/serve-cuda-random-qwen2.5-7b.json",
-     lambda d: (3, "vs concurrency 1", f"{d['runs'][3]['output_tok_per_s'] / d['runs'][0]['output_tok_per_s']:.2f}x")),
-    ("burst-serve", f"{STEP09}/burst-serve-cuda-random-qwen2.5-7b-default-row-tables.json",
+    ("serve", f"{GPU}/serve-step07.json",
+     lambda d: (2, "vs concurrency 1", f"{d['runs'][2]['output_tok_per_s'] / d['runs'][0]['output_tok_per_s']:.2f}x")),
+    ("burst-serve", f"{GPU}/burst-serve.json",
      lambda d: (1, "TTFT median", f"{d['runs'][1]['ttft_ms_p50'] / 1e3:.1f} s")),
-    ("prefix", "results/step10_prefix_caching/prefix-cuda-random-qwen2.5-7b.json", prefix_computed),
-    ("stall", f"{STEP09}/long-prompt-cuda-random-qwen2.5-7b.json", stall_ratio),
-    ("stall", f"{STEP09}/long-prompt-cuda-random-qwen2.5-7b-default-row-tables.json", unchunked_ratio),
-    ("stall", f"{STEP09}/long-prompt-cuda-random-qwen2.5-7b-default-row-tables.json",
+    ("prefix", f"{GPU}/prefix-step10.json", prefix_computed),
+    ("stall", f"{GPU}/stall-step09.json", stall_ratio),
+    ("stall", f"{GPU}/stall-step14.json", unchunked_ratio),
+    ("stall", f"{GPU}/stall-step14.json",
      lambda d: (1, "budget (tokens)", f"default ({d['stall'][1]['budget_tokens']})")),
     ("burst", "results/cpu/stall.json",
      lambda d: (2, "all done in", f"{d['burst'][2]['elapsed_s']:.1f} s")),
-    ("burst", f"{STEP09}/burst-cuda-random-qwen2.5-7b-step07.json",
+    ("burst", f"{GPU}/burst-step07.json",
      lambda d: (0, "answered", f"0 of {d['settings']['burst_requests']}: out of memory")),
     ("kernel-bench", "results/gpu/kernel-paged-decode.json",
      kernel_share_of_copy),
     ("prefill-kernel-bench", "results/gpu/kernel-paged-prefill.json",
      lambda d: (0, f"{d['configs'][0]['q_len']:,} new over {d['configs'][0]['context']:,} cached",
                 f"{d['configs'][0]['tflops']:.0f} TFLOP/s")),
-    ("matmul-bench", "results/step12_cuda_graph/matmul-bench-cuda-qwen2.5-7b.json", matmul_cublas),
+    ("matmul-bench", f"{GPU}/kernel-skinny-matmul.json", matmul_cublas),
     ("profile", "results/gpu/decode-profile.json", profile_ceiling),
     ("breakdown", "results/gpu/decode-profile.json", breakdown_gaps),
     ("overlap", "results/gpu/overlap.json", overlap_gain),
@@ -149,10 +149,10 @@ def test_every_committed_evidence_file_has_a_table(path: str, monkeypatch: pytes
 
 @pytest.mark.parametrize("path, kind", [
     ("results/cpu/stall.json", "stall"),
-    (f"{STEP09}/burst-cuda-random-qwen2.5-7b.json", "burst"),
-    (f"{STEP09}/burst-serve-cuda-random-qwen2.5-7b.json", "burst-serve"),
-    ("results/step06_paged_attention/prefill-vs-paged-cuda-random-qwen2.5-7b.json", "runs"),
-    ("results/step12_cuda_graph/profile-cuda-random-qwen2.5-7b.json", "profile"),
+    (f"{GPU}/burst-step14.json", "burst"),
+    (f"{GPU}/burst-serve.json", "burst-serve"),
+    (f"{GPU}/step06-prefill-vs-paged.json", "runs"),
+    (f"{GPU}/decode-profile.json", "profile"),
 ])
 def test_a_file_is_shown_as_its_first_kind(path: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
