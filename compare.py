@@ -6,7 +6,7 @@
 One model is loaded once and shared by every step's engine and by the HF generate() baseline, so the
 figures differ only by what the steps do. Writes one JSON evidence file with every run, by default
 runs/compare/<device>-<model>.json (ignored by git; -2, -3, ... added to the name if an earlier run has it;
-`--output results/compare/...` replaces committed evidence), and its plot next to it (the same name with .png,
+`--output results/gpu/...` replaces committed evidence), and its plot next to it (the same name with .png,
 drawn by scripts/plot_compare.py; skipped if matplotlib is not installed).
 """
 

@@ -51,7 +51,7 @@ class FusedDecodeForward(PagedAttentionForward):
             return self.attend(layer_idx, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
         k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
         # With PDL, the decode kernel is placed while this one still runs only where that was measured to pay
-        # (H200, results/step12_cuda_graph/profile-...-decode-early-*.json): a decode kernel that merges its
+        # (H200, step 13's NOTES.md: the decode-early profiles): a decode kernel that merges its
         # own splits gained about 0.03 ms a step at batch 8; one followed by the merge kernel lost 0.1 ms.
         splits = self.backend.num_splits(q.shape[0], k_cache.shape[2], self.meta.max_seq_len)
         q = fused_kernels.rotate_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, self.meta.slot_mapping,

@@ -207,3 +207,28 @@ def test_a_record_the_file_lacks_is_an_error(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.chdir(REPO)
     with pytest.raises(ValueError, match="no system named step99"):
         table_for("results/gpu/decode-batch1-8.json", "pivot", ["step99"])
+
+
+# ----- every committed evidence file is listed in results/README.md and cited where a learner reads ----------
+
+# Where a file counts as cited: the lessons and the top README, the notebooks (their code or saved output), the
+# Python scripts that read it and this file's cases. Not the index itself, not the steps' NOTES.md (history, which
+# names removed files through `git show`), not scripts/gpu_suite.sh (which names every file it writes).
+CITING = ["README.md", "step*/README.md", "notebooks/*.ipynb", "scripts/*.py", "tests/test_results_tables.py"]
+
+
+def evidence_files() -> list[str]:
+    return sorted(str(p.relative_to(REPO / "results")) for p in (REPO / "results").rglob("*")
+                  if p.is_file() and p.name != "README.md")
+
+
+def test_every_evidence_file_is_in_the_index() -> None:
+    index = (REPO / "results" / "README.md").read_text(encoding="utf-8")
+    missing = [f for f in evidence_files() if f"`{f}`" not in index and f"`{Path(f).name}`" not in index]
+    assert missing == [], f"list these in results/README.md: {missing}"
+
+
+def test_every_evidence_file_is_cited() -> None:
+    texts = [p.read_text(encoding="utf-8") for pattern in CITING for p in REPO.glob(pattern)]
+    uncited = [f for f in evidence_files() if not any(Path(f).name in text for text in texts)]
+    assert uncited == [], f"nothing cites these; cite them or delete them (git history keeps them): {uncited}"
