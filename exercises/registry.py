@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 
@@ -19,20 +20,24 @@ from typing import Any
 class Exercise:
     id: str  # what the learner types: `make exercise EX=02-slot-mapping`
     stub_module: str  # exercises.<stub_module> holds the learner's function, named like the target's attribute
-    target: str  # "module:Class.attribute": the project's code (and solution) that the learner's function replaces
+    # "module:Class.attribute", or "module:function" for a module-level function (a Triton kernel's launcher):
+    # the project's code (and solution) that the learner's function replaces
+    target: str
     tests: tuple[str, ...]  # pytest arguments that select the step's real tests of this code (fast ones)
     step: str  # the step whose dry run runs with the learner's code in place
     lesson: str  # the lesson that teaches it, for the hints
 
     @property
-    def target_owner(self) -> type:
+    def target_owner(self) -> type | ModuleType:
+        """The class that holds the target, or its module for "module:function"."""
         module, _, path = self.target.partition(":")
         owner_name, _, _ = path.rpartition(".")
-        return getattr(importlib.import_module(module), owner_name)
+        owner = importlib.import_module(module)
+        return getattr(owner, owner_name) if owner_name else owner
 
     @property
     def attribute(self) -> str:
-        return self.target.rpartition(".")[2]
+        return self.target.partition(":")[2].rpartition(".")[2]
 
     @property
     def stub_path(self) -> Path:
@@ -71,6 +76,97 @@ EXERCISES = [
         tests=("tests/test_step02_step03_paged_kv.py", "-k", "translation_is_printed"),
         step="step02_paged_kv",
         lesson="step02_paged_kv/README.md",
+    ),
+    Exercise(
+        id="03-vectorized-gather",
+        stub_module="ex03_vectorized_gather",
+        target="step03_vectorized_gather.kv_cache:VectorizedDecodeForward.gather_kv",
+        tests=("tests/test_step02_step03_paged_kv.py", "-k",
+               "equal_the_loops or staggered_arrivals and Vectorized and llama-4"),
+        step="step03_vectorized_gather",
+        lesson="step03_vectorized_gather/README.md",
+    ),
+    Exercise(
+        id="06-merge-splits",
+        stub_module="ex06_merge_splits",
+        target="step06_paged_attention.backends:TorchBackend.merge_splits",
+        tests=("tests/test_step06_paged_attention.py", "-k",
+               "worked_example or unsplit_reference or in_splits and llama"),
+        step="step06_paged_attention",
+        lesson="step06_paged_attention/README.md",
+    ),
+    Exercise(
+        id="07-choose-victim",
+        stub_module="ex07_choose_victim",
+        target="step07_preemption.engine:PreemptionEngine.pick_victim",
+        tests=("tests/test_step07_preemption.py", "-k",
+               "newest_admission or never_prefilled or runs_at_once and recompute"),
+        step="step07_preemption",
+        lesson="step07_preemption/README.md",
+    ),
+    Exercise(
+        id="07-preempt",
+        stub_module="ex07_preempt",
+        target="step07_preemption.engine:PreemptionEngine.preempt",
+        tests=("tests/test_step07_preemption.py", "-k", "keeps_what_was_computed or never_prefilled"),
+        step="step07_preemption",
+        lesson="step07_preemption/README.md",
+    ),
+    Exercise(
+        id="09-token-budget",
+        stub_module="ex09_token_budget",
+        target="step09_chunked_prefill.engine:ChunkedPrefillEngine.fill_budget",
+        tests=("tests/test_step09_chunked_prefill.py", "-k",
+               "first_token_only_after_the_last_chunk or priority_goes_first or any_budget_gives_hfs_tokens and "
+               "(tiny-llama-4-1] or tiny-llama-4-3]) or preemption_under_a_tiny_kv_budget and tiny-llama-3-recompute"),
+        step="step09_chunked_prefill",
+        lesson="step09_chunked_prefill/README.md",
+    ),
+    Exercise(
+        id="10-block-keys",
+        stub_module="ex10_block_keys",
+        target="step10_prefix_caching.engine:PrefixCachingEngine.key_full_blocks",
+        tests=("tests/test_step10_prefix_caching.py", "-k",
+               "every_block_a_forward_fills or last_token_is_always_computed or aborting_one_of_two_sharers or "
+               "hit_counters or caching_on_and_off and tiny-qwen2-True-recompute"),
+        step="step10_prefix_caching",
+        lesson="step10_prefix_caching/README.md",
+    ),
+    Exercise(
+        id="10-lru-evict",
+        stub_module="ex10_lru_evict",
+        target="step10_prefix_caching.block_pool:PrefixCachingAllocator.allocate",
+        tests=("tests/test_step10_prefix_caching.py", "-k",
+               "least_recently_used_first or caching_on_and_off and tiny-llama-True"),
+        step="step10_prefix_caching",
+        lesson="step10_prefix_caching/README.md",
+    ),
+    Exercise(
+        id="12-graph-bucket",
+        stub_module="ex12_graph_bucket",
+        target="step12_cuda_graph.decode_graphs:StaticDecodeInputs.write_rows",
+        tests=("tests/test_step12_cuda_graph.py", "-k",
+               "padded_rows or empty_batch or joining_and_leaving and tiny-qwen3-4"),
+        step="step12_cuda_graph",
+        lesson="step12_cuda_graph/README.md",
+    ),
+    Exercise(
+        id="13-add-rmsnorm",
+        stub_module="ex13_add_rmsnorm",
+        target="step13_fused_decode.fused_kernels:add_rms_norm",
+        tests=("tests/test_step13_fused_kernels.py", "-k", "test_add_rms_norm or on_cublas"),
+        step="step13_fused_decode",
+        lesson="step13_fused_decode/README.md",
+    ),
+    Exercise(
+        id="14-launch-decode",
+        stub_module="ex14_launch_decode",
+        target="step14_overlap_scheduling.engine:OverlapSchedulingEngine.launch_decode",
+        tests=("tests/test_step14_overlap_scheduling.py", "-k",
+               "joining_and_leaving and tiny-qwen3-4-True or stops_where and llama or abort and llama "
+               "or output_position"),
+        step="step14_overlap_scheduling",
+        lesson="step14_overlap_scheduling/README.md",
     ),
 ]
 

@@ -1,14 +1,16 @@
 """Run one exercise: the learner's function replaces the project's for the run, then the step's own tests and
 its dry run check it, and the result is told in a learner's words.
 
-The replacement is a plain attribute swap on the project's class, inside this process and undone afterwards:
-nothing in the project is edited. Tests run through `pytest.main` in this same process so that they see it.
+The replacement is a plain attribute swap on the project's class (or module, for a module-level function),
+inside this process and undone afterwards: nothing in the project is edited. Tests run through `pytest.main`
+in this same process so that they see it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +21,12 @@ import pytest
 
 from exercises.registry import EXERCISES, Exercise
 
+# The tests run in this process, which imports the project before pytest reads tests/conftest.py: so choose
+# Triton's interpreter where conftest.py does (no GPU), before anything imports triton, or a kernel defined
+# in the meantime would ask for a GPU.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 # Which exercises passed, with the hash of the learner's file when they did: an edit since makes it "not yet".
 SOLVED_FILE = REPO / ".exercises-solved.json"
@@ -26,7 +34,7 @@ SOLVED_FILE = REPO / ".exercises-solved.json"
 
 @contextmanager
 def patched(exercise: Exercise, function: Callable[..., Any]) -> Iterator[None]:
-    """The project's class uses `function` in place of its own attribute until the block ends."""
+    """The project's class (or module) uses `function` in place of its own attribute until the block ends."""
     owner, name = exercise.target_owner, exercise.attribute
     original = vars(owner)[name]
     setattr(owner, name, function)

@@ -115,6 +115,10 @@ class ChunkedPrefillEngine(PreemptionEngine):
         self.prefill_chunks = 0  # chunks that did not reach the end of their prompt
         self.mixed_steps = 0  # steps that ran decoders and prefill chunks in one forward
         self.preempted_this_step: set[ChunkedRequest] = set()  # sit out the rest of the step (see `schedule`)
+        # This step's admission, for `next_chunk`: a swapped request's importance that no admission may pass
+        # (`swap_in`), and whether waiting requests may still start (first come, first served).
+        self.blocked: tuple[int, float] | None = None
+        self.admitting = True
         print(f"[{type(self).__name__}] {self.describe_budget()}", flush=True)  # said at start-up
 
     def budget_for(self, config: ChunkedPrefillEngineConfig) -> int:
@@ -201,30 +205,45 @@ class ChunkedPrefillEngine(PreemptionEngine):
             if request.status is RequestStatus.RUNNING:
                 self.reserve_next_block(request)  # may preempt: the least important, most recent request
         decoders = [r for r in decoders if r.status is RequestStatus.RUNNING]
+        self.blocked, self.admitting = blocked, True
+        chunks = self.fill_budget(decoders)
+        # Whoever was preempted along the way has left `running` and sits out this step.
+        still_running = [r for r in decoders if r.status is RequestStatus.RUNNING]
+        return still_running, [c for c in chunks if c.request.status is RequestStatus.RUNNING]
+
+    # The split of the budget, on its own so that the step's idea reads in a few lines (exercise
+    # 09-token-budget); who may start and the blocks of each chunk are `next_chunk`'s.
+    def fill_budget(self, decoders: list[ChunkedRequest]) -> list[Chunk]:
+        """The prefill chunks of this step: one token of the budget for each decoder, the rest to the requests
+        mid-prefill and the waiting ones, most important first, each chunk at most what is left."""
         budget = self.token_budget - len(decoders)
         chunks: list[Chunk] = []
-        admitting = True  # first come, first served: once a waiting request cannot start, none after it may
         candidates = [r for r in self.running if not self.is_decoding(r)] + list(self.waiting)
         for request in sorted(candidates, key=self.importance):
             if budget <= 0:
                 break
-            if request in self.preempted_this_step:
-                # Admitted again now, it would take back the blocks it just gave up, and lose them again at
-                # the next block that the request which preempted it needs.
-                continue
-            if request.status is RequestStatus.WAITING:
-                admitting = admitting and self.may_admit(request, blocked)
-                if not admitting:
-                    continue  # requests already mid-prefill may still go on
-            chunk = self.reserve_chunk(request, budget)
-            if chunk is None:
-                admitting = False
-                continue
-            chunks.append(chunk)
-            budget -= chunk.num_tokens
-        # Whoever was preempted along the way has left `running` and sits out this step.
-        still_running = [r for r in decoders if r.status is RequestStatus.RUNNING]
-        return still_running, [c for c in chunks if c.request.status is RequestStatus.RUNNING]
+            chunk = self.next_chunk(request, budget)
+            if chunk is not None:
+                chunks.append(chunk)
+                budget -= chunk.num_tokens
+        return chunks
+
+    def next_chunk(self, request: ChunkedRequest, budget: int) -> Chunk | None:
+        """The request's next chunk, of at most `budget` tokens, with its blocks (`reserve_chunk`); None if it
+        sits out this step: preempted in it, not admitted now, or no block to be had."""
+        if request in self.preempted_this_step:
+            # Admitted again now, it would take back the blocks it just gave up, and lose them again at the
+            # next block that the request which preempted it needs.
+            return None
+        if request.status is RequestStatus.WAITING:
+            # First come, first served: once a waiting request cannot start, none after it may.
+            self.admitting = self.admitting and self.may_admit(request, self.blocked)
+            if not self.admitting:
+                return None  # requests already mid-prefill may still go on
+        chunk = self.reserve_chunk(request, budget)
+        if chunk is None:
+            self.admitting = False
+        return chunk
 
     def may_admit(self, request: ChunkedRequest, blocked: tuple[int, float] | None) -> bool:
         """A free place among the running requests, and no more important swapped request waiting for blocks."""

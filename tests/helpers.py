@@ -188,7 +188,10 @@ class CheckedRun:
             still_there = {r.request_id for r in engine.running} | {r.request_id for r in requests if r.finished}
             assert decoders & still_there <= got_token, "a running decoder got no token this step"
             if len(self.tokens_per_step) > before:
-                assert self.tokens_per_step[-1] <= max(engine.token_budget, len(decoders))
+                limit = max(engine.token_budget, len(decoders))
+                assert self.tokens_per_step[-1] <= limit, (
+                    f"a step ran {self.tokens_per_step[-1]} tokens; the budget allows {limit} "
+                    f"(budget {engine.token_budget}, {len(decoders)} decoders)")
             for rid in got_token:
                 request = next(r for r in requests if r.request_id == rid)
                 if not request.finished:

@@ -4,6 +4,9 @@ in a subprocess, as the learner runs it (the dry run is left out here: the step'
 
 from __future__ import annotations
 
+import inspect
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +45,20 @@ def test_exercise_ids_are_unique_and_each_target_exists() -> None:
     for exercise in EXERCISES:
         assert callable(exercise.solution()), exercise.target
         assert exercise.learner_function().__name__ == exercise.attribute
+
+
+def test_each_lesson_links_its_exercises_to_the_lines_that_solve_them() -> None:
+    """The lesson's Exercises section names the exercise and links the solution's lines, as they are now: the
+    link starts at or above the solution's first line (a kernel the learner also writes may come first) and ends
+    at its last, so a moved function fails here instead of pointing a learner at the wrong lines."""
+    for exercise in EXERCISES:
+        lesson = REPO / exercise.lesson
+        solution = inspect.unwrap(exercise.solution())
+        lines, first = inspect.getsourcelines(solution)
+        last = first + len(lines) - 1
+        target = os.path.relpath(inspect.getsourcefile(solution), lesson.parent)
+        section = lesson.read_text(encoding="utf-8").partition("## Exercises")[2]
+        assert f"`{exercise.id}`" in section, f"{exercise.lesson} has no Exercises entry for {exercise.id}"
+        links = re.findall(rf"\]\({re.escape(target)}#L(\d+)-L(\d+)\)", section)
+        assert any(int(a) <= first and int(b) == last for a, b in links), (
+            f"{exercise.lesson}: link the solution as {target}#L{first}-L{last} (found {links})")

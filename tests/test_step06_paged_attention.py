@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import math
+import random
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from common.loading import LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
-from step06_paged_attention.backends import TritonBackend, create_backend
+from step06_paged_attention.backends import AttentionMetadata, TorchBackend, TritonBackend, create_backend
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
 from tests.helpers import PARITY_MAX_TOKENS, assert_matches_reference, needs_triton, step01_tokens
 
@@ -41,6 +43,55 @@ def check_against_step01(loaded: LoadedModel, attn: str, block_size: int, arrive
 @pytest.mark.parametrize("arrive_every", [0, 1])
 def test_torch_backend_matches_step01(tiny: LoadedModel, block_size: int, arrive_every: int) -> None:
     check_against_step01(tiny, "torch", block_size, arrive_every)
+
+
+def test_merging_splits_gives_the_lessons_worked_example() -> None:
+    """The lesson's split-K by hand: scores [1, 0, 3, 2], values [10, 40, 20, 30], two splits of two keys; the
+    merge gives the full softmax's 22.14. A third split with no keys at all (m = -inf, l = 0) changes nothing."""
+    e = math.exp(-1)
+    acc = torch.tensor([[[[10 + e * 40], [20 + e * 30], [0.0]]]], dtype=torch.float64)  # [1, 1, 3 splits, 1]
+    m = torch.tensor([[[1.0, 3.0, float("-inf")]]], dtype=torch.float64)
+    l = torch.tensor([[[1 + e, 1 + e, 0.0]]], dtype=torch.float64)
+    full = torch.softmax(torch.tensor([1.0, 0, 3, 2], dtype=torch.float64), 0) @ torch.tensor([10.0, 40, 20, 30],
+                                                                                             dtype=torch.float64)
+    for splits in (2, 3):
+        out = TorchBackend().merge_splits(acc[:, :, :splits], m[:, :, :splits], l[:, :, :splits])
+        assert out.shape == (1, 1, 1)
+        torch.testing.assert_close(out, full.reshape(1, 1, 1))
+        assert round(out.item(), 2) == 22.14
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_split_decode_matches_the_unsplit_reference(splits: int) -> None:
+    """Split-K decode in torch, merged by `merge_splits`, against SDPA: shuffled block tables, uneven lengths (so a
+    short request's later parts hold none of its keys), three query heads per KV head."""
+    torch.manual_seed(0)
+    seq_lens, block_size, kv_heads, group, head_dim = [1, 5, 37, 16], 4, 2, 3, 16
+    k_cache, v_cache = torch.randn(2, 40, block_size, kv_heads, head_dim).unbind(0)
+    blocks = list(range(40))
+    random.Random(0).shuffle(blocks)
+    need = [-(-n // block_size) for n in seq_lens]
+    starts = [sum(need[:i]) for i in range(len(need))]
+    table = torch.tensor([blocks[s : s + n] + [0] * (max(need) - n) for s, n in zip(starts, need)], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    meta = AttentionMetadata(is_prefill=False, slot_mapping=lens.long() - 1, block_table=table, seq_lens=lens,
+                             cu_q_lens=torch.arange(len(seq_lens) + 1, dtype=torch.int32), q_lens=[1] * len(seq_lens),
+                             seq_lens_host=seq_lens, max_q_len=1, max_seq_len=max(seq_lens), block_size=block_size)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim)
+    expected = TorchBackend().decode(q, k_cache, v_cache, meta)
+    torch.testing.assert_close(TorchBackend(splits=splits).decode(q, k_cache, v_cache, meta), expected,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_torch_backend_in_splits_matches_step01(tiny: LoadedModel) -> None:
+    """The engine decoding split-K in torch, every step merged by `merge_splits`: step 01's tokens."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
+    params = SamplingParams(max_tokens=8)
+    reference = SerialEngine(tiny, EngineConfig(device="cpu")).generate(prompts, params)
+    engine = PagedAttentionEngine(tiny, PagedAttentionEngineConfig(device="cpu", block_size=4, num_blocks=256,
+                                                                    attn="torch"))
+    engine.backend = TorchBackend(splits=3)
+    assert_same_as_step01(tiny, prompts, staggered_generate(engine, prompts, params, arrive_every=1), reference)
 
 
 @needs_triton

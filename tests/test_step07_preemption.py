@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from common.engine import EngineConfig
 from common.loading import LoadedModel, load_model
@@ -52,6 +53,93 @@ def test_admitted_but_never_prefilled_is_put_back() -> None:
         engine.step()
     assert [r.output_token_ids for r in requests] == expected
     assert_nothing_left(engine, requests)
+
+
+def test_the_victim_is_the_least_important_and_among_equals_the_newest_admission() -> None:
+    """The lesson's question: a, b, c of priorities 0, 2, 2, admitted in that order. The victim is c; a waiting
+    request takes only from strictly less important ones; among equals the newest admission goes first, even if
+    it arrived first (b admitted again after a preemption), whatever the order of the running list."""
+    engine = PreemptionEngine(load_model("tiny-llama"), PreemptionEngineConfig(device="cpu", block_size=4,
+                                                                               num_blocks=32, attn="torch"))
+    a, b, c = (engine.requests[engine.add_request([10 + i] * 4, SamplingParams(max_tokens=4), priority=p)]
+               for i, p in enumerate([0, 2, 2]))
+    for request in (a, b, c):
+        engine.waiting.remove(request)
+        engine.mark_running(request)
+    names = {a.request_id: "a", b.request_id: "b", c.request_id: "c"}
+
+    def victim(less_important_than=None) -> str | None:  # noqa: ANN001  (the chosen request's name)
+        chosen = engine.pick_victim(less_important_than=less_important_than)
+        return None if chosen is None else names.get(chosen.request_id, chosen.request_id)
+
+    assert victim() == "c"
+    newcomer = engine.requests[engine.add_request([5] * 4, SamplingParams(max_tokens=4), priority=2)]
+    assert victim(less_important_than=newcomer) is None  # equal priority: it waits
+    newcomer.priority = 1
+    assert victim(less_important_than=newcomer) == "c"
+    engine.running.remove(b)
+    engine.mark_running(b)  # admitted again: now the newest admission, though it arrived before c
+    engine.running.reverse()  # the list's order says nothing; `admitted_at` does
+    assert victim() == "b" and victim(less_important_than=newcomer) == "b"
+    newcomer.priority, a.priority = -1, 3  # now a is the least important, b and c more
+    assert victim() == "a" and victim(less_important_than=newcomer) == "a"
+    assert engine.running == [b, c, a]  # choosing changed nothing
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_preempt_frees_the_blocks_and_keeps_what_was_computed(preempt: str) -> None:
+    """`preempt` called by hand. A request admitted but never prefilled is put back (nothing computed, nothing
+    kept); a decoding one gives back all its blocks and keeps its tokens, and with swap its K/V of every layer
+    in host memory. All three then finish with step 01's tokens (in a bounded number of steps)."""
+    tiny = load_model("tiny-llama")
+    prompts = [[20, 21, 22, 23, 24, 25], [30, 31, 32, 33, 34, 35], [40, 41, 42, 43, 44]]
+    params = SamplingParams(max_tokens=8)
+    engine = PreemptionEngine(tiny, PreemptionEngineConfig(device="cpu", block_size=4, num_blocks=16, attn="torch",
+                                                            preempt=preempt))
+    a, b = (engine.requests[engine.add_request(p, params)] for p in prompts[:2])
+    engine.step()
+    engine.step()  # both prefilled and one token decoded: 8 tokens, 2 blocks each
+    c = engine.requests[engine.add_request(prompts[2], params)]
+    names = {a.request_id: "a", b.request_id: "b", c.request_id: "c"}
+
+    def queues() -> dict[str, list[str]]:
+        return {"running": [names[r.request_id] for r in engine.running],
+                "waiting": [names[r.request_id] for r in engine.waiting],
+                "swapped": [names[r.request_id] for r in engine.swapped]}
+
+    engine._not_prefilled = set()  # as `schedule` does, around the admissions
+    assert engine.admit_waiting(None) == [c] and len(c.block_table) == 2
+    free = engine.allocator.num_free
+    engine.preempt(c)  # admitted, never prefilled: un-admitted
+    assert queues() == {"running": ["a", "b"], "waiting": ["c"], "swapped": []}
+    assert c.status is RequestStatus.WAITING
+    assert c.block_table == [] and c.host_kv is None
+    assert engine.allocator.num_free == free + 2
+    assert (engine.unadmissions, engine.preemptions) == (1, 0)
+    engine._not_prefilled = set()
+
+    table, tokens = list(b.block_table), list(b.output_token_ids)
+    k_blocks, v_blocks = engine.cache.k[:, table].clone(), engine.cache.v[:, table].clone()
+    engine.preempt(b)
+    assert b.block_table == []
+    assert engine.allocator.num_free == free + 2 + len(table) and not set(table) & engine.allocator.owned
+    assert (engine.unadmissions, engine.preemptions) == (1, 1)
+    assert b.output_token_ids == tokens
+    if preempt == "swap":
+        assert queues() == {"running": ["a"], "waiting": ["c"], "swapped": ["b"]}
+        assert b.status is RequestStatus.SWAPPED
+        assert b.host_kv is not None and b.host_kv.k.device.type == "cpu"
+        assert torch.equal(b.host_kv.k, k_blocks) and torch.equal(b.host_kv.v, v_blocks)  # [layers, blocks, ...]
+    else:
+        assert queues() == {"running": ["a"], "waiting": ["c", "b"], "swapped": []}
+        assert b.status is RequestStatus.WAITING
+        assert b.host_kv is None
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert [r.output_token_ids for r in (a, b, c)] == step01_tokens(tiny, prompts, params)
+    assert_nothing_left(engine, [a, b, c])
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])

@@ -130,6 +130,26 @@ def test_the_last_token_is_always_computed() -> None:
     del rid
 
 
+def test_every_block_a_forward_fills_is_keyed_on_its_whole_prefix() -> None:
+    """Chunks of 3 tokens in blocks of 4 end inside blocks: after every step the request's keys are exactly the
+    chained keys of its full, computed blocks (generated tokens included), each registered for its block."""
+    tiny = load_model("tiny-qwen2")
+    engine = PrefixCachingEngine(tiny, PrefixCachingEngineConfig(device="cpu", attn="torch", block_size=4,
+                                                                 max_num_batched_tokens=3))
+    request = engine.requests[engine.add_request(list(range(300, 314)), SamplingParams(max_tokens=6))]
+    seen = []
+    while not request.finished:
+        engine.step()
+        full = request.num_computed // 4
+        seen.append((request.num_computed, len(request.block_keys)))
+        assert request.block_keys == list(chain_keys(request.all_token_ids, 4, full))
+        if not request.finished:  # a finished request has given its blocks back
+            assert [engine.allocator.key_of_block[b] for b in request.block_table[:full]] == request.block_keys
+    # 14 prompt tokens in chunks of 3, then one token a step; the last of the 20 tokens is never computed.
+    assert seen == [(3, 0), (6, 1), (9, 2), (12, 3), (14, 3), (15, 3), (16, 4), (17, 4), (18, 4), (19, 4)]
+    assert engine.allocator.num_cached == 4 and all(k in engine.allocator.block_of_key for k in request.block_keys)
+
+
 def test_aborting_one_of_two_sharers_leaves_the_other_whole() -> None:
     tiny = load_model("tiny-llama")
     engine = PrefixCachingEngine(tiny, PrefixCachingEngineConfig(device="cpu", attn="torch", block_size=4))

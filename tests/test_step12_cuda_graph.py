@@ -43,6 +43,15 @@ def test_padded_rows_point_at_the_dummy_block() -> None:
     assert inputs.block_table[:4, :3].tolist() == [[3, 4, 30], [8, 30, 30], [12, 2, 5], [30, 30, 30]]
 
 
+def test_an_empty_batch_is_all_padding() -> None:
+    """What the capture fills before recording a bucket: no request, every row on the dummy block."""
+    inputs = StaticDecodeInputs(max_batch=4, width=3, block_size=4, dummy_block=9, device=torch.device("cpu"))
+    inputs.fill(DecodeBatch([], [], [], [], []), bucket=4)
+    assert inputs.input_ids.tolist() == [0] * 4 and inputs.positions.tolist() == [0] * 4
+    assert inputs.seq_lens.tolist() == [1] * 4 and inputs.slot_mapping.tolist() == [9 * 4] * 4
+    assert inputs.block_table[:, 0].tolist() == [9] * 4
+
+
 class SplittingBackend(TorchBackend):
     """The reference backend, with a split count that depends on the batch and the longest length."""
 

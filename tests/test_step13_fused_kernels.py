@@ -129,6 +129,23 @@ def test_engine_with_fused_ops_matches_step01(model: str) -> None:
     assert sum(r.equal for r in reports) >= len(prompts) - 1
 
 
+def test_engine_with_fused_ops_on_cublas_matches_step01() -> None:
+    """`--no-skinny-matmul`: the o and down projections are cuBLAS's (PyTorch's on a CPU), and the add-and-norm
+    kernel (`add_rms_norm`) adds each to the residual stream and normalises it for the next layer: step 01's
+    tokens, or a difference HF shows to be a tie."""
+    loaded = tiny_with_small_vocab("tiny-llama", device=DEVICE)
+    prompts = [in_vocab(loaded.tokenizer.apply_chat_template(p)) for p in PARITY_PROMPTS[:4]]
+    params = SamplingParams(max_tokens=8)
+    expected = SerialEngine(loaded, EngineConfig(device=DEVICE)).generate(prompts, params)
+    engine = FusedDecodeEngine(loaded, FusedDecodeEngineConfig(device=DEVICE, block_size=16, num_blocks=64,
+                                                               attn="torch", fused_ops=True, skinny_matmul=False,
+                                                               max_graph_batch=4))
+    outputs = staggered_generate(engine, prompts, params, arrive_every=1)
+    reports = compare_engines(loaded, prompts, outputs, expected)
+    assert all(r.ok for r in reports), [r.describe() for r in reports if not r.ok]
+    assert sum(r.equal for r in reports) >= len(prompts) - 1
+
+
 def test_fused_ops_need_the_graph_path() -> None:
     with pytest.raises(ValueError, match="drop --no-cuda-graph"):
         FusedDecodeEngine(load_model("tiny-llama"), FusedDecodeEngineConfig(device="cpu", num_blocks=8,

@@ -18,8 +18,8 @@ from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step12_cuda_graph.decode_graphs import DecodeBatch
 from step14_overlap_scheduling.engine import (LaunchAheadBatch, LaunchAheadInputs, OverlapSchedulingEngine,
                                               OverlapSchedulingEngineConfig)
-from tests.helpers import (check_graphs_match_step06_on_cuda, run_checked, seeded_sampling_case, step01_tokens,
-                           tight_pool_case)
+from tests.helpers import (check_graphs_match_step06_on_cuda, in_vocab, run_checked, seeded_sampling_case,
+                           step01_tokens, tight_pool_case, tiny_with_small_vocab)
 
 
 def engine_for(tiny: LoadedModel, **config: object) -> OverlapSchedulingEngine:
@@ -159,6 +159,21 @@ def test_seeded_sampling_is_step07s() -> None:
         ours = OverlapSchedulingEngine(tiny, OverlapSchedulingEngineConfig(**config, overlap=overlap)).generate(
             prompts, params)
         assert [c.token_ids for c in ours] == expected
+
+
+def test_rows_launched_ahead_draw_at_their_output_position() -> None:
+    """Seeded sampling draws by each token's position in its output: a row launched ahead draws one position
+    past what the host has appended (the pending token counts). Step 07's tokens, on a 1000-token vocabulary
+    (fast: the sampler's sort is over the vocabulary)."""
+    tiny = tiny_with_small_vocab("tiny-qwen3")
+    prompts = [in_vocab(tiny.tokenizer.apply_chat_template(p)) for p in PARITY_PROMPTS[:5]]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.8, top_k=k, seed=i) for i, k in
+              enumerate([0, 5, 0, 50, 0])]
+    config = dict(device="cpu", block_size=4, num_blocks=96, attn="torch")
+    expected = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
+    engine = OverlapSchedulingEngine(tiny, OverlapSchedulingEngineConfig(**config, overlap=True))
+    assert [c.token_ids for c in engine.generate(prompts, params)] == [c.token_ids for c in expected]
+    assert engine.steps_taken_from_ahead > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")
