@@ -71,7 +71,9 @@ def run_tests(exercise: Exercise, function: Callable[..., Any]) -> CollectFailur
     args = [str(REPO / a) if (REPO / a).exists() else a for a in exercise.tests]
     collector = CollectFailures()
     with patched(exercise, function):
-        code = pytest.main([*args, "-q", "--tb=no", "--no-header", "-p", "no:cacheprovider"], plugins=[collector])
+        # Quiet and plain: the summary below says what failed in a learner's words (and a notebook shows no colours).
+        code = pytest.main([*args, "-q", "--tb=no", "--no-header", "-rN", "--color=no", "-p", "no:cacheprovider",
+                            "-p", "no:warnings"], plugins=[collector])
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
         collector.failed.append(FailedCase(" ".join(exercise.tests), f"pytest could not run them (exit {code})"))
     elif collector.passed == 0 and not collector.failed:
