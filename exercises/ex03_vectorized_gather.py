@@ -26,7 +26,8 @@ def gather_kv(self: VectorizedDecodeForward, layer_idx: int) -> tuple[torch.Tens
     request i's token at position p, for every `p < self.seq_lens[i]`. Past its own length a row may hold
     anything finite (attention masks those positions): whatever the padding reads.
     Use one indexing operation per tensor (K, then V) for the whole batch: no Python loop over requests or
-    blocks (that is step 02's `PagedDecodeForward.gather_kv`, which this replaces).
+    blocks (that is step 02's `PagedDecodeForward.gather_kv`, which this replaces). The tests check the values
+    and the shape, not how you got them: a loop passes them too, and is what this step removes.
 
     Example: blocks of 16, two requests of 40 and 9 tokens with tables [6, 7, 8] and [13], so
     `self.block_table` is [[6, 7, 8], [13, 0, 0]] and `self.max_len` is 40. Indexing one layer's pool

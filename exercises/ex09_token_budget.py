@@ -14,10 +14,11 @@ def fill_budget(self: ChunkedPrefillEngine, decoders: list[ChunkedRequest]) -> l
 
     A step computes at most `self.token_budget` tokens. `decoders` are this step's decoding requests: each
     computes one token, and its blocks are already reserved; count them, schedule nothing for them. The tokens
-    left go to the candidates: the running requests that are not decoding (`self.is_decoding(r)` is False:
-    mid-prefill), then the waiting ones (`self.waiting`), most important first (`sorted(..., key=
-    self.importance)`: smaller sorts first). Make that list once, before the loop: a chunk can admit a waiting
-    request or preempt a running one, which moves requests between `self.running` and `self.waiting`.
+    left go to the candidates, in ONE list: the running requests that are not decoding (`self.is_decoding(r)`
+    is False: mid-prefill) and the waiting ones (`self.waiting`) together, sorted most important first
+    (`sorted(..., key=self.importance)`: smaller sorts first), so a waiting request more important than one
+    mid-prefill goes before it. Make that list once, before the loop: a chunk can admit a waiting request or
+    preempt a running one, which moves requests between `self.running` and `self.waiting`.
 
     Then, for each candidate in that order, while tokens are left (none left: stop; more decoders than the
     budget: no chunk at all), `self.next_chunk(request, left)` reserves the request's next chunk of at most

@@ -117,7 +117,8 @@ EXERCISES = [
         stub_module="ex09_token_budget",
         target="step09_chunked_prefill.engine:ChunkedPrefillEngine.fill_budget",
         tests=("tests/test_step09_chunked_prefill.py", "-k",
-               "first_token_only_after_the_last_chunk or priority_goes_first or any_budget_gives_hfs_tokens and "
+               "first_token_only_after_the_last_chunk or priority_goes_first or arrival_goes_before or sits_out or "
+               "any_budget_gives_hfs_tokens and "
                "(tiny-llama-4-1] or tiny-llama-4-3]) or preemption_under_a_tiny_kv_budget and tiny-llama-3-recompute"),
         step="step09_chunked_prefill",
         lesson="step09_chunked_prefill/README.md",

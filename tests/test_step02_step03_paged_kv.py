@@ -129,8 +129,11 @@ def test_vectorized_gather_and_write_equal_the_loops() -> None:
         loop.write_kv(layer, new_k, new_v)
         vec.write_kv(layer, new_k, new_v)
         (lk, lv), (vk, vv) = loop.gather_kv(layer), vec.gather_kv(layer)
+        assert vk.shape == vv.shape == lk.shape, f"gathered K/V of shape {tuple(vk.shape)}, expected {tuple(lk.shape)}"
         for i, n in enumerate(seq_lens):  # only real positions must agree; padding is masked
-            assert torch.equal(lk[i, :n], vk[i, :n]) and torch.equal(lv[i, :n], vv[i, :n])
+            for name, got, want in (("K", vk, lk), ("V", vv, lv)):
+                wrong = (got[i, :n] != want[i, :n]).flatten(1).any(-1).nonzero().flatten().tolist()
+                assert not wrong, f"layer {layer}, request {i}: gathered {name} differs at positions {wrong}"
             assert torch.equal(lk[i, n - 1], new_k[i])
     assert torch.equal(loop_cache.k, vec_cache.k) and torch.equal(loop_cache.v, vec_cache.v)
 

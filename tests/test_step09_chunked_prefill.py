@@ -143,6 +143,31 @@ def test_priority_goes_first_within_the_budget() -> None:
     assert len(engine.requests[high].output_token_ids) == 1
 
 
+def test_a_more_important_arrival_goes_before_a_prompt_mid_prefill() -> None:
+    """One list of candidates, sorted by importance: a waiting request more important than one mid-prefill gets
+    the budget first (running requests are not served before waiting ones as such)."""
+    engine = ChunkedPrefillEngine(load_model("tiny-llama"), ChunkedPrefillEngineConfig(device="cpu", attn="torch",
+                                                                                        max_num_batched_tokens=8))
+    low = engine.requests[engine.add_request(list(range(300, 340)), SamplingParams(max_tokens=4), priority=5)]
+    engine.step()
+    assert low.num_computed == 8
+    high = engine.requests[engine.add_request(list(range(400, 440)), SamplingParams(max_tokens=4), priority=0)]
+    engine.step()
+    assert (high.num_computed, low.num_computed) == (8, 8), "the more important arrival takes this step's budget"
+
+
+def test_a_request_that_sits_out_does_not_stop_the_ones_after_it() -> None:
+    """A candidate that gets no chunk (here: more important, but no place among the running requests) is skipped;
+    the less important request mid-prefill after it still gets its chunk."""
+    engine = ChunkedPrefillEngine(load_model("tiny-llama"), ChunkedPrefillEngineConfig(
+        device="cpu", attn="torch", max_num_batched_tokens=8, max_num_seqs=1))
+    low = engine.requests[engine.add_request(list(range(300, 340)), SamplingParams(max_tokens=4), priority=5)]
+    engine.step()
+    high = engine.requests[engine.add_request(list(range(400, 440)), SamplingParams(max_tokens=4), priority=0)]
+    engine.step()
+    assert (high.num_computed, low.num_computed) == (0, 16), "the request mid-prefill must go on"
+
+
 @pytest.mark.parametrize("budget", [0, -5])
 def test_a_budget_below_one_is_refused(budget: int) -> None:
     with pytest.raises(ValueError, match="--max-num-batched-tokens must be at least 1"):
