@@ -71,15 +71,20 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, num_columns: int) -> torch.Tensor:
+    """Uniform noise [rows, num_columns] strictly inside (0, 1), a pure function of each row's seed, output
+    position and column: the same request draws the same numbers however it is batched."""
+    columns = torch.arange(num_columns, device=seeds.device, dtype=torch.int64)
+    row_key = _mix32((_mix32(seeds & _MASK32) ^ (positions & _MASK32)) & _MASK32)
+    bits = _mix32(row_key[:, None] ^ columns[None, :])
+    # 23 random bits: (k + 0.5) / 2**23 is exact in float32, so the value is strictly inside (0, 1) and the
+    # Gumbel noise below is finite (with 24 bits the largest value rounds up to 1.0 and the noise becomes +inf).
+    return ((bits >> 9).float() + 0.5) / float(1 << 23)
+
+
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Gumbel(0, 1) noise [rows, vocab], a pure function of each row's seed and output position."""
-    vocab = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    row_key = _mix32((_mix32(seeds & _MASK32) ^ (positions & _MASK32)) & _MASK32)
-    bits = _mix32(row_key[:, None] ^ vocab[None, :])
-    # 23 random bits: (k + 0.5) / 2**23 is exact in float32, so uniform is strictly inside (0, 1) and the
-    # noise is finite (with 24 bits the largest value rounds up to 1.0 and the noise becomes +inf).
-    uniform = ((bits >> 9).float() + 0.5) / float(1 << 23)
-    return -torch.log(-torch.log(uniform))
+    return -torch.log(-torch.log(uniform_noise(seeds, positions, vocab_size)))
 
 
 @dataclass

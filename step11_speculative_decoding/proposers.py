@@ -1,0 +1,37 @@
+"""Step 11's cheap guesses: the tokens a request is likely to produce next, checked later by the target model.
+
+`NgramProposer` is prompt lookup: no second model. Text that summarizes, rewrites, extracts from or edits a
+given text repeats runs of it, so the last few tokens of a request, found earlier in its prompt or output,
+are often followed by what comes next here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class NgramProposer:
+    """Proposes up to `k` tokens: the ones that followed the latest earlier occurrence of the request's last `n`
+    tokens. The longest suffix is tried first (`max_n`, then shorter, down to `min_n`): a longer match is more
+    specific, so what followed it is more likely to follow again; a single token (n = 1) matches often and
+    guesses worst."""
+
+    def __init__(self, k: int, max_n: int = 3, min_n: int = 1) -> None:
+        if k < 1:
+            raise ValueError(f"--speculative-tokens must be at least 1, got {k}")
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        self.k, self.max_n, self.min_n = k, max_n, min_n
+
+    def propose(self, token_ids: Sequence[int]) -> list[int]:
+        """At most `k` tokens to follow `token_ids` (the request's prompt and output so far); [] if no suffix of
+        `min_n` to `max_n` tokens occurs earlier with anything after it."""
+        length = len(token_ids)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = list(token_ids[length - n :])
+            # The latest start j < length - n whose n tokens equal the suffix: its continuation begins at
+            # j + n < length, so at least one token follows it (possibly part of the suffix itself).
+            for j in range(length - n - 1, -1, -1):
+                if token_ids[j] == suffix[0] and list(token_ids[j : j + n]) == suffix:
+                    return list(token_ids[j + n : j + n + self.k])
+        return []
