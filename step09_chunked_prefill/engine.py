@@ -306,16 +306,20 @@ class ChunkedPrefillEngine(PreemptionEngine):
         """The forward itself, eagerly (step 12 replays it as a graph): the K/V of every chunk's tokens into
         the cache, and a token sampled for each chunk of `sampling` (none at all if it is empty: then nothing
         waits for the GPU)."""
+        hidden = self.run_chunks(chunks)
+        if not sampling:
+            return []
+        last_rows = list(itertools.accumulate(c.num_tokens for c in chunks))
+        logits = self.model.compute_logits(hidden[[last_rows[i] - 1 for i, c in enumerate(chunks) if c.samples]])
+        return self.sample(logits, [c.request for c in sampling])
+
+    def run_chunks(self, chunks: list[Chunk]) -> torch.Tensor:
+        """One forward over the chunks laid end to end: their K/V into the cache, their hidden states out."""
         requests = [c.request for c in chunks]
         q_lens = [c.num_tokens for c in chunks]
         meta, positions = self.build_metadata(requests, q_lens, [c.end for c in chunks], is_prefill=True)
         token_ids = [t for c in chunks for t in self.chunk_token_ids(c)]
-        hidden = self.model(torch.tensor(token_ids, device=self.device), self.context(meta, positions))
-        if not sampling:
-            return []
-        last_rows = list(itertools.accumulate(q_lens))
-        logits = self.model.compute_logits(hidden[[last_rows[i] - 1 for i, c in enumerate(chunks) if c.samples]])
-        return self.sample(logits, [c.request for c in sampling])
+        return self.model(torch.tensor(token_ids, device=self.device), self.context(meta, positions))
 
     @staticmethod
     def chunk_token_ids(chunk: Chunk) -> list[int]:

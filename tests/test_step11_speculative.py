@@ -6,10 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.engine import EngineConfig
+from common.loading import LoadedModel, load_model
+from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams, SamplingTensors, sample_rows
+from step01_serial.engine import SerialEngine
 from step11_speculative_decoding import verify
+from step11_speculative_decoding.engine import SpeculativeEngine, SpeculativeEngineConfig
 from step11_speculative_decoding.proposers import NgramProposer
 from step11_speculative_decoding.verify import accept_greedy, rejection_sample, target_probabilities
+from tests.helpers import (PARITY_MAX_TOKENS, CheckedRun, assert_matches_reference, assert_nothing_left, run_checked,
+                           step01_tokens, tight_pool_case)
 
 
 @pytest.mark.parametrize("tokens, k, expected", [
@@ -103,3 +110,135 @@ def test_a_wrong_rule_fails_the_same_check(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)
     draft = Q[None].expand(TRIALS, -1, -1).float()
     assert chi_square_p_value(first_two_tokens(draft, draft_proposals())) < 1e-6
+
+
+# ----- the engine: speculation changes how many tokens a step yields, never which -----------------------------
+
+
+def speculative(loaded: LoadedModel, k: int, **config) -> SpeculativeEngine:
+    return SpeculativeEngine(loaded, SpeculativeEngineConfig(device="cpu", attn="torch", speculative_tokens=k,
+                                                             **config))
+
+
+@pytest.mark.parametrize("tiny", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"], indirect=True)
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_output_is_step01s_with_proposals_kept(tiny: LoadedModel, k: int) -> None:
+    """Random tiny models fall into loops, which n-gram lookup predicts: proposals are kept, and the tokens are
+    still exactly step 01's, requests arriving while others decode."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:6]]
+    params = SamplingParams(max_tokens=40)
+    engine = speculative(tiny, k, block_size=4)
+    assert CheckedRun(engine).run(prompts, params) == step01_tokens(tiny, prompts, params)
+    assert engine.accepted_tokens > 0, "no proposal was kept: the check proves nothing about keeping them"
+
+
+class CorruptedOracle:
+    """Proposes each request's true greedy continuation (known from step 01) with the second of every three proposals wrong:
+    every verification keeps some proposals and rejects the rest, so rollback runs on every step."""
+
+    def __init__(self, k: int, prompts: list[list[int]], continuations: list[list[int]], vocab_size: int) -> None:
+        self.k, self.vocab_size = k, vocab_size
+        self.sequences = [p + c for p, c in zip(prompts, continuations, strict=True)]
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        sequence = next(s for s in self.sequences if s[: len(token_ids)] == token_ids)
+        truth = sequence[len(token_ids) : len(token_ids) + self.k]
+        return [(t + 1) % self.vocab_size if i % 3 == 1 else t for i, t in enumerate(truth)]
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_partly_wrong_proposals_are_rolled_back(k: int) -> None:
+    tiny = load_model("tiny-qwen2")
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:6]]
+    params = SamplingParams(max_tokens=40)
+    expected = step01_tokens(tiny, prompts, params)
+    engine = speculative(tiny, k, block_size=4)
+    engine.proposer = CorruptedOracle(k, prompts, expected, tiny.model.config.vocab_size)
+    assert CheckedRun(engine).run(prompts, params) == expected
+    assert 0 < engine.accepted_tokens < engine.proposed_tokens
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_a_tiny_pool_preempts_and_the_tokens_stay_step01s(preempt: str) -> None:
+    tiny = load_model("tiny-llama")
+    prompts, params, expected, num_blocks = tight_pool_case(tiny)
+    engine = speculative(tiny, 4, block_size=4, num_blocks=num_blocks, preempt=preempt)
+    assert run_checked(engine, prompts, params)[0] == expected
+    assert engine.preemptions > 0 and engine.accepted_tokens > 0
+
+
+def test_a_small_budget_and_cached_prefixes() -> None:
+    """A budget of 8 leaves little to speculate with; the second wave of the same prompts finds them cached."""
+    tiny = load_model("tiny-qwen3")
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
+    params = SamplingParams(max_tokens=30)
+    engine = speculative(tiny, 4, block_size=4, max_num_batched_tokens=8)
+    expected = step01_tokens(tiny, prompts, params)
+    assert CheckedRun(engine).run(prompts, params) == expected
+    assert CheckedRun(engine).run(prompts, params) == expected
+    assert engine.hit_tokens > 0 and engine.accepted_tokens > 0
+
+
+def test_max_tokens_and_a_stop_string_inside_a_kept_run() -> None:
+    """The request ends where plain decoding ends it, even when the step kept proposals past that point."""
+    tiny = load_model("tiny-llama")
+    prompt = tiny.tokenizer.apply_chat_template(PARITY_PROMPTS[0])
+    plain = step01_tokens(tiny, [prompt], SamplingParams(max_tokens=40))[0]
+    for max_tokens in range(5, 12):
+        engine = speculative(tiny, 8, block_size=4)
+        assert engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].token_ids == plain[:max_tokens]
+    text = tiny.tokenizer.decode(plain)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected = SerialEngine(tiny, EngineConfig(device="cpu")).generate([prompt], SamplingParams(max_tokens=40,
+                                                                                                stop=[stop]))[0]
+    got = speculative(tiny, 8, block_size=4).generate([prompt], SamplingParams(max_tokens=40, stop=[stop]))[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (expected.token_ids, expected.text, expected.finish_reason)
+
+
+def test_abort_after_a_verification_frees_everything() -> None:
+    tiny = load_model("tiny-llama")
+    engine = speculative(tiny, 4, block_size=4)
+    rid = engine.add_request(tiny.tokenizer.apply_chat_template(PARITY_PROMPTS[0]), SamplingParams(max_tokens=40))
+    request = engine.requests[rid]
+    while engine.verify_rows == 0:
+        engine.step()
+    engine.abort(rid)
+    assert_nothing_left(engine, [request])
+
+
+def test_seeded_sampling_with_speculation_is_reproducible_and_finishes_cleanly() -> None:
+    """Rejection sampling in the engine (its distribution is the chi-square tests' matter): a seeded request
+    draws the same tokens run after run, alone or checked step by step. A random model samples nearly uniformly
+    over 49,152 tokens, so only a low temperature makes it repeat itself enough for n-gram proposals."""
+    tiny = load_model("tiny-qwen3")
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
+    params = SamplingParams(max_tokens=30, temperature=0.1, seed=3)
+    first = [c.token_ids for c in speculative(tiny, 4, block_size=4).generate(prompts, params)]
+    engine = speculative(tiny, 4, block_size=4)
+    assert run_checked(engine, prompts, params)[0] == first
+    assert 0 < engine.accepted_tokens < engine.proposed_tokens
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("k", [2, 8])
+def test_embedded_model_speculates_and_gives_hfs_tokens(embedded: LoadedModel, embedded_hf, embedded_reference,
+                                                         k: int) -> None:
+    """The real model, prompts in several scripts (multi-byte text), against HF's greedy tokens."""
+    reference = embedded_reference[:6]
+    engine = speculative(embedded, k)
+    outputs = CheckedRun(engine).run([ids for ids, _ in reference], SamplingParams(max_tokens=PARITY_MAX_TOKENS))
+    assert_matches_reference(embedded_hf, reference, outputs)
+    assert engine.accepted_tokens > 0
+
+
+def test_the_benchmark_runs_and_finds_the_same_tokens(tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    from step11_speculative_decoding import bench_speculative
+
+    out = tmp_path / "speculative.json"
+    assert bench_speculative.main(["--model", "tiny-llama", "--ks", "4", "--max-tokens", "16", "--workloads", "chat",
+                                   "--output", str(out)]) == 0
+    runs = json.loads(out.read_text(encoding="utf-8"))["runs"]
+    assert [r["speculative_tokens"] for r in runs] == [0, 4]
+    assert all(r["identical_to_off"] for r in runs) and runs[1]["accepted"] > 0
