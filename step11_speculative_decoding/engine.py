@@ -2,14 +2,15 @@
 so one read of the weights can yield several tokens, with the output plain decoding would give.
 
 Against step 10, `SpeculativeEngine` changes one thing in a step: after step 09's scheduler has placed the
-decoders and the prefill chunks, each decoder with proposals (`NgramProposer`: its last tokens found earlier
-in its prompt or output) becomes a verification chunk: its last token and the k proposals, one row of k + 1
-tokens over its cached prefix, which step 09's mixed forward already computes (a prompt chunk is the same
-shape). The target's logits at all k + 1 positions decide how many proposals to keep (`verify.py`); the
-request's K/V past the last kept one is simply overwritten later, and its blocks past its new end go back.
+decoders and the prefill chunks, each decoder with proposals (`proposers.py`) becomes a verification chunk:
+its last token and the k proposals, one row of k + 1 tokens over its cached prefix, which step 09's mixed
+forward already computes (a prompt chunk is the same shape). The target's logits at all k + 1 positions
+decide how many proposals to keep (`verify.py`); the request's K/V past the last kept one is simply
+overwritten later, and its blocks past its new end go back.
 
-Speculation uses only what a step leaves: the budget's tokens after the decoders and the chunks, and free
-blocks (it never preempts anyone for a guess).
+How many proposals to check is a rule (`proposal_counts`): a proposal costs the step one more token, and is
+worth it only if it is likely enough to be kept. Speculation uses only what a step leaves: the budget's tokens
+after the decoders and the chunks, and free blocks (it never preempts anyone for a guess).
 """
 
 from __future__ import annotations
@@ -24,14 +25,32 @@ from common.request import RequestOutput
 from common.sampling import SamplingTensors
 from step09_chunked_prefill.engine import Chunk
 from step10_prefix_caching.engine import PrefixCachedRequest, PrefixCachingEngine, PrefixCachingEngineConfig
-from step11_speculative_decoding.proposers import NgramProposer
+from step11_speculative_decoding.proposers import NgramProposer, Proposal, Proposer
 from step11_speculative_decoding.verify import accept_greedy, rejection_sample, target_probabilities
+
+# What one more token in a step costs, as a fraction of the step's fixed cost (reading the weights, launching
+# the kernels): about the device's memory bandwidth over its arithmetic rate. An H200 reads 4.8 TB/s and
+# computes about 990 TFLOP/s in bf16; on the 2-core CPU of the lesson a 5-token row over 200 cached tokens
+# costs 1.1x to 1.5x a 1-token one (`bench_speculative.py --token-costs` shows the rule at other values).
+DEFAULT_TOKEN_COST = {"cuda": 0.005, "cpu": 0.1}
+ACCEPTANCE_WEIGHT = 0.2  # of each new outcome (kept 1, rejected 0) in a request's running acceptance estimate
+PROBE_EVERY = 8  # a request whose estimate says "do not speculate" still checks one proposal this often
 
 
 @dataclass
 class SpeculativeEngineConfig(PrefixCachingEngineConfig):
     speculative_tokens: int = 0  # k, the most tokens proposed for a decoder per step; 0: no speculation
-    speculative_method: str = "ngram"
+    speculative_method: str = "ngram"  # ngram | draft
+    draft_model: str | None = None  # --speculative-method draft: a model with the target's tokenizer
+    speculative_token_cost: float | None = None  # see DEFAULT_TOKEN_COST; 0 checks every proposal
+
+
+@dataclass(eq=False)
+class SpeculativeRequest(PrefixCachedRequest):
+    acceptance: float = 0.5  # running estimate of the chance that its next proposal is kept
+    steps_unchecked: int = 0  # steps it decoded without proposals since its last verification
+    draft_table: list[int] = field(default_factory=list)  # the draft model's KV blocks (`DraftProposer`)
+    draft_computed: int = 0  # its first tokens whose K/V the draft model holds
 
 
 @dataclass
@@ -39,11 +58,15 @@ class VerifyChunk(Chunk):
     """A decoder's last token and the tokens proposed after it: `1 + len(proposals)` tokens from position
     `start` (= its length - 1), every one of which gives logits."""
 
-    proposals: list[int] = field(default_factory=list)
+    proposal: Proposal = field(default_factory=lambda: Proposal([]))
 
     @property
     def samples(self) -> bool:
         return True
+
+    @property
+    def proposals(self) -> list[int]:
+        return self.proposal.tokens
 
     @property
     def token_ids(self) -> list[int]:
@@ -52,48 +75,96 @@ class VerifyChunk(Chunk):
 
 class SpeculativeEngine(PrefixCachingEngine):
     config_class = SpeculativeEngineConfig
+    request_class = SpeculativeRequest
 
     def __init__(self, loaded: LoadedModel, config: SpeculativeEngineConfig) -> None:
         super().__init__(loaded, config)
-        if config.speculative_method != "ngram":
-            raise ValueError(f"--speculative-method must be ngram, got {config.speculative_method!r}")
-        self.proposer = NgramProposer(config.speculative_tokens) if config.speculative_tokens else None
+        self.proposer: Proposer | None = self.create_proposer(config) if config.speculative_tokens else None
+        self.token_cost = (config.speculative_token_cost if config.speculative_token_cost is not None
+                           else DEFAULT_TOKEN_COST.get(self.device.type, DEFAULT_TOKEN_COST["cpu"]))
+        if self.token_cost < 0:
+            raise ValueError(f"--speculative-token-cost must be at least 0, got {self.token_cost}")
         self.proposed_tokens = 0  # proposals verified
         self.accepted_tokens = 0  # of those, kept
         self.verify_rows = 0  # verification chunks run: each emits 1 + its kept proposals
+        if self.proposer is not None:
+            print(f"[{type(self).__name__}] {self.describe_speculation()}", flush=True)  # said at start-up
+
+    def create_proposer(self, config: SpeculativeEngineConfig) -> Proposer:
+        if config.speculative_method == "ngram":
+            return NgramProposer(config.speculative_tokens)
+        if config.speculative_method == "draft":
+            from step11_speculative_decoding.draft import DraftProposer  # loads a second model
+
+            return DraftProposer.create(self, config)
+        raise ValueError(f"--speculative-method must be ngram or draft, got {config.speculative_method!r}")
+
+    def describe_speculation(self) -> str:
+        return (f"speculation: up to {self.config.speculative_tokens} {self.config.speculative_method} proposals "
+                f"per decoder, checked while their chance of being kept pays for a token costing "
+                f"{self.token_cost:g} of a step")
 
     # ----- scheduling: proposals in what the step leaves -----------------------------------------------------
 
-    def schedule(self) -> tuple[list[PrefixCachedRequest], list[Chunk]]:
+    def schedule(self) -> tuple[list[SpeculativeRequest], list[Chunk]]:
         decoders, chunks = super().schedule()
-        if self.proposer is None:
+        if self.proposer is None or not decoders:
             return decoders, chunks
-        left = self.token_budget - len(decoders) - sum(c.num_tokens for c in chunks)
-        plain, verifying = [], []
-        for request in sorted(decoders, key=self.importance):
-            proposals = self.reserve_proposals(request, left)
-            if proposals:
-                verifying.append(VerifyChunk(request, request.num_tokens - 1, 1 + len(proposals), proposals))
-                left -= len(proposals)
+        step_tokens = len(decoders) + sum(c.num_tokens for c in chunks)
+        ordered = sorted(decoders, key=self.importance)
+        limits = [self.proposer.most(r, self.proposal_room(r)) for r in ordered]
+        counts = self.proposal_counts(ordered, limits, step_tokens)
+        chosen = [(r, n) for r, n in zip(ordered, counts, strict=True) if n]
+        proposals = self.proposer.propose([r for r, _ in chosen], [n for _, n in chosen]) if chosen else []
+        plain, verifying = [r for r, n in zip(ordered, counts, strict=True) if not n], []
+        for (request, _), proposal in zip(chosen, proposals, strict=True):
+            proposal = self.reserve_proposal_blocks(request, proposal)
+            if proposal.tokens:
+                verifying.append(VerifyChunk(request, request.num_tokens - 1, 1 + len(proposal.tokens), proposal))
             else:
                 plain.append(request)
+        for request in plain:
+            request.steps_unchecked += 1
         return plain, verifying + chunks
 
-    def reserve_proposals(self, request: PrefixCachedRequest, left: int) -> list[int]:
-        """The request's proposals, at most `left` of them and no more than it may still emit, with the blocks
-        their positions need taken from the free ones; fewer where the pool runs short."""
-        room = min(left, request.max_total_tokens - request.num_tokens - 1)
-        if room <= 0:
-            return []
-        proposals = self.proposer.propose(request.all_token_ids)[:room]
+    def proposal_room(self, request: SpeculativeRequest) -> int:
+        """The most tokens it may propose: k, and one fewer than it may still emit (the step's own token)."""
+        return min(self.config.speculative_tokens, request.max_total_tokens - request.num_tokens - 1)
+
+    # The rule, on its own so that the step's economics read in a few lines (exercise 11-proposal-counts).
+    def proposal_counts(self, decoders: list[SpeculativeRequest], limits: list[int], step_tokens: int) -> list[int]:
+        """How many proposals to check for each decoder (at most `limits[i]`) in a step that already computes
+        `step_tokens` tokens. A step of T tokens costs 1 + T * c (c: `token_cost`) and emits E tokens, one per
+        decoder plus the proposals kept. A decoder's j-th proposal is kept with chance a^j (a: its
+        `acceptance`); adding it raises E / cost only if a^j > E * c / (1 + T * c). Proposals are taken most
+        likely first while they pass, and while the token budget lasts; a decoder that got none for
+        PROBE_EVERY steps checks one anyway, so that its estimate can recover."""
+        counts = [0] * len(decoders)
+        expected, tokens = float(len(decoders)), step_tokens
+        candidates = sorted(((r.acceptance**j, i) for i, r in enumerate(decoders) for j in range(1, limits[i] + 1)),
+                            key=lambda chance_and_row: -chance_and_row[0])
+        for chance, i in candidates:
+            if tokens >= self.token_budget or chance <= expected * self.token_cost / (1 + tokens * self.token_cost):
+                break
+            counts[i] += 1
+            expected, tokens = expected + chance, tokens + 1
+        for i, request in enumerate(decoders):
+            if not counts[i] and limits[i] and request.steps_unchecked >= PROBE_EVERY and tokens < self.token_budget:
+                counts[i], tokens = 1, tokens + 1
+        return counts
+
+    def reserve_proposal_blocks(self, request: SpeculativeRequest, proposal: Proposal) -> Proposal:
+        """Take the blocks the proposal's positions need from the free ones; cut it where the pool runs short."""
         size = self.cache.block_size
         fits = (len(request.block_table) + self.allocator.num_free) * size - request.num_tokens
-        proposals = proposals[: max(0, fits)]
-        if proposals:
+        if fits < len(proposal.tokens):
+            proposal = Proposal(proposal.tokens[: max(0, fits)],
+                                None if proposal.probs is None else proposal.probs[: max(0, fits)])
+        if proposal.tokens:
             # Positions up to num_tokens - 1 + len(proposals): the last token's, then one per proposal.
-            more = self.cache.blocks_for(request.num_tokens + len(proposals)) - len(request.block_table)
+            more = self.cache.blocks_for(request.num_tokens + len(proposal.tokens)) - len(request.block_table)
             request.block_table = request.block_table + self.allocator.allocate(max(0, more))
-        return proposals
+        return proposal
 
     # ----- running the model: verification rows --------------------------------------------------------------
 
@@ -105,7 +176,7 @@ class SpeculativeEngine(PrefixCachingEngine):
         if not any(isinstance(c, VerifyChunk) for c in chunks):
             return super().forward_mixed(chunks)
         sampling = [c for c in chunks if c.samples]
-        emitted = self.compute_verified(chunks, sampling)
+        emitted = self.compute_verified(chunks)
         for chunk in chunks:
             if not isinstance(chunk, VerifyChunk):
                 self.mark_computed(chunk.request, chunk.end)
@@ -113,41 +184,69 @@ class SpeculativeEngine(PrefixCachingEngine):
         return [self.emit(chunk, tokens) for chunk, tokens in zip(sampling, emitted, strict=True)]
 
     @torch.inference_mode()
-    def compute_verified(self, chunks: list[Chunk], sampling: list[Chunk]) -> list[list[int]]:
+    def compute_verified(self, chunks: list[Chunk]) -> list[list[int]]:
         """The forward, then the tokens each sampling chunk emits: one for a chunk that ends a prompt or a plain
         decoder (as step 09 samples it), the kept proposals and one more for a verification chunk."""
         hidden = self.run_chunks(chunks)
         ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-        rows = [range(ends[i] - c.num_tokens if isinstance(c, VerifyChunk) else ends[i] - 1, ends[i])
-                for i, c in enumerate(chunks) if c.samples]
-        logits = self.model.compute_logits(hidden[[r for span in rows for r in span]])
-        firsts = list(itertools.accumulate((len(span) for span in rows[:-1]), initial=0))
-        emitted: list[list[int]] = []
-        for chunk, first, span in zip(sampling, firsts, rows, strict=True):
-            chunk_logits = logits[first : first + len(span)]
-            if isinstance(chunk, VerifyChunk):
-                emitted.append(self.verify(chunk, chunk_logits))
-            else:
-                emitted.append(self.sample(chunk_logits, [chunk.request]))
+        verifying = [(c, range(end - c.num_tokens, end)) for c, end in zip(chunks, ends) if isinstance(c, VerifyChunk)]
+        others = [(c, end - 1) for c, end in zip(chunks, ends) if c.samples and not isinstance(c, VerifyChunk)]
+        verified = self.verify([c for c, _ in verifying],
+                               self.model.compute_logits(hidden[[row for _, rows in verifying for row in rows]]))
+        sampled = (self.sample(self.model.compute_logits(hidden[[row for _, row in others]]), [c.request for c, _ in others])
+                   if others else [])
+        verified_tokens, sampled_tokens = iter(verified), iter(sampled)
+        return [next(verified_tokens) if isinstance(c, VerifyChunk) else [next(sampled_tokens)]
+                for c in chunks if c.samples]
+
+    def verify(self, chunks: list[VerifyChunk], logits: torch.Tensor) -> list[list[int]]:
+        """The tokens each verification chunk emits, from the target's logits at its 1 + k positions (the
+        chunks' rows laid end to end in `logits`), with one wait for the device for all of them."""
+        firsts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
+        greedy = [i for i, c in enumerate(chunks) if c.request.params.greedy]
+        drawn = [i for i, c in enumerate(chunks) if not c.request.params.greedy]
+        argmax = logits.argmax(-1)
+        sampled_tokens, sampled_counts = self.rejection_sample([chunks[i] for i in drawn], logits, firsts, drawn)
+        argmax, sampled_tokens, sampled_counts = argmax.tolist(), sampled_tokens.tolist(), sampled_counts.tolist()
+        emitted: list[list[int]] = [[] for _ in chunks]
+        for i in greedy:
+            emitted[i] = accept_greedy(chunks[i].proposals, argmax[firsts[i] : firsts[i + 1]])
+        for row, i in enumerate(drawn):
+            emitted[i] = sampled_tokens[row][: sampled_counts[row]]
+        for chunk, tokens in zip(chunks, emitted, strict=True):
+            self.record_outcome(chunk.request, len(chunk.proposals), len(tokens) - 1)
         return emitted
 
-    def verify(self, chunk: VerifyChunk, logits: torch.Tensor) -> list[int]:
-        """The tokens a verification chunk emits, from the target's logits at its 1 + k positions."""
-        request = chunk.request
-        if request.params.greedy:
-            tokens = accept_greedy(chunk.proposals, logits.argmax(-1).tolist())
-        else:
-            rows = SamplingTensors.build([request.params], [len(request.output_token_ids)], logits.shape[-1],
-                                         logits.device)
-            proposals = torch.tensor([chunk.proposals], device=logits.device)
-            drawn, count = rejection_sample(target_probabilities(logits[None].float(), rows), None, proposals,
-                                            torch.tensor([len(chunk.proposals)], device=logits.device),
-                                            rows.seeds, rows.positions)
-            tokens = drawn[0, : int(count)].tolist()
+    def rejection_sample(self, chunks: list[VerifyChunk], logits: torch.Tensor, firsts: list[int], rows: list[int]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`verify.rejection_sample` over the sampled chunks, their proposals padded to the longest."""
+        if not chunks:
+            return torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+        k = max(len(c.proposals) for c in chunks)
+        vocab, device = logits.shape[-1], logits.device
+        positions = [[min(firsts[i] + j, firsts[i + 1] - 1) for j in range(k + 1)] for i in rows]
+        params = SamplingTensors.build([c.request.params for c in chunks],
+                                       [len(c.request.output_token_ids) for c in chunks], vocab, device)
+        target = target_probabilities(logits[torch.tensor(positions, device=device)].float(), params)
+        proposals = torch.tensor([c.proposals + [0] * (k - len(c.proposals)) for c in chunks], device=device)
+        draft = None
+        if any(c.proposal.probs is not None for c in chunks):
+            draft = torch.nn.functional.one_hot(proposals, vocab).float()
+            for row, c in enumerate(chunks):
+                if c.proposal.probs is not None:
+                    draft[row, : len(c.proposals)] = c.proposal.probs.float()
+        counts = torch.tensor([len(c.proposals) for c in chunks], device=device)
+        return rejection_sample(target, draft, proposals, counts, params.seeds, params.positions)
+
+    def record_outcome(self, request: SpeculativeRequest, proposed: int, kept: int) -> None:
+        """Count the verification, and move the request's acceptance estimate toward what it saw: each kept
+        proposal an outcome of 1, the first rejected one (if any) of 0; those after it were never tested."""
         self.verify_rows += 1
-        self.proposed_tokens += len(chunk.proposals)
-        self.accepted_tokens += len(tokens) - 1
-        return tokens
+        self.proposed_tokens += proposed
+        self.accepted_tokens += kept
+        for outcome in [1.0] * kept + [0.0] * (kept < proposed):
+            request.acceptance += ACCEPTANCE_WEIGHT * (outcome - request.acceptance)
+        request.steps_unchecked = 0
 
     # ----- emitting several tokens, rolling back the rest ----------------------------------------------------
 
@@ -170,8 +269,22 @@ class SpeculativeEngine(PrefixCachingEngine):
             keep = self.cache.blocks_for(request.num_tokens)
             self.allocator.free(request.block_table[keep:])
             request.block_table = request.block_table[:keep]
+            assert self.proposer is not None
+            self.proposer.rollback(request)
         return RequestOutput(request.request_id, [t for o in outputs for t in o.new_token_ids],
                              "".join(o.new_text for o in outputs), outputs[-1].finished, outputs[-1].finish_reason)
+
+    # ----- the proposer's state goes where the request's does --------------------------------------------------
+
+    def preempt(self, victim: SpeculativeRequest) -> None:
+        super().preempt(victim)
+        if self.proposer is not None:
+            self.proposer.release(victim)  # a draft's blocks too: it catches up again once the request is back
+
+    def free_request(self, request: SpeculativeRequest) -> None:
+        super().free_request(request)
+        if self.proposer is not None:
+            self.proposer.release(request)
 
     # ----- reports ---------------------------------------------------------------------------------------
 

@@ -1,13 +1,48 @@
 """Step 11's cheap guesses: the tokens a request is likely to produce next, checked later by the target model.
 
-`NgramProposer` is prompt lookup: no second model. Text that summarizes, rewrites, extracts from or edits a
-given text repeats runs of it, so the last few tokens of a request, found earlier in its prompt or output,
-are often followed by what comes next here too.
+A proposer answers two questions for the engine, which decides in between how many guesses are worth checking:
+`most(request, limit)`, how many tokens it could propose now, and `propose(requests, counts)`, the guesses.
+Two kinds:
+
+- `NgramProposer`, prompt lookup, here: no second model. Text that summarizes, rewrites, extracts from or
+  edits a given text repeats runs of it, so the last few tokens of a request, found earlier in its prompt or
+  output, are often followed by what comes next here too.
+- `DraftProposer` (`draft.py`): a smaller model with the same tokenizer, run for a few tokens ahead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:  # annotations only: the engine module imports this one
+    from step11_speculative_decoding.engine import SpeculativeRequest
+
+
+@dataclass
+class Proposal:
+    """A request's proposed tokens, and the distribution each was drawn from ([tokens, vocab]) where the
+    proposer has one: None means each token was named outright (a one-hot distribution)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Proposer(Protocol):
+    def most(self, request: SpeculativeRequest, limit: int) -> int:
+        """How many tokens, at most `limit`, the proposer could propose for the request now."""
+
+    def propose(self, requests: list[SpeculativeRequest], counts: list[int]) -> list[Proposal]:
+        """Up to `counts[i]` tokens to follow each request's tokens (fewer where it has no more)."""
+
+    def rollback(self, request: SpeculativeRequest) -> None:
+        """The request's length changed (proposals were rejected, or it was preempted): forget what follows."""
+
+    def release(self, request: SpeculativeRequest) -> None:
+        """The request is finished or aborted: give back whatever is kept for it."""
 
 
 class NgramProposer:
@@ -23,7 +58,7 @@ class NgramProposer:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n} and {max_n}")
         self.k, self.max_n, self.min_n = k, max_n, min_n
 
-    def propose(self, token_ids: Sequence[int]) -> list[int]:
+    def lookup(self, token_ids: Sequence[int]) -> list[int]:
         """At most `k` tokens to follow `token_ids` (the request's prompt and output so far); [] if no suffix of
         `min_n` to `max_n` tokens occurs earlier with anything after it."""
         length = len(token_ids)
@@ -35,3 +70,15 @@ class NgramProposer:
                 if token_ids[j] == suffix[0] and list(token_ids[j : j + n]) == suffix:
                     return list(token_ids[j + n : j + n + self.k])
         return []
+
+    def most(self, request: SpeculativeRequest, limit: int) -> int:
+        return min(limit, len(self.lookup(request.all_token_ids)))
+
+    def propose(self, requests: list[SpeculativeRequest], counts: list[int]) -> list[Proposal]:
+        return [Proposal(self.lookup(r.all_token_ids)[:count]) for r, count in zip(requests, counts, strict=True)]
+
+    def rollback(self, request: SpeculativeRequest) -> None:
+        pass  # nothing is kept between steps: each lookup reads the request's tokens afresh
+
+    def release(self, request: SpeculativeRequest) -> None:
+        pass

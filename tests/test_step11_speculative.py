@@ -28,7 +28,7 @@ from tests.helpers import (PARITY_MAX_TOKENS, CheckedRun, assert_matches_referen
     ([7], 4, []),
 ])
 def test_ngram_proposals(tokens: list[int], k: int, expected: list[int]) -> None:
-    assert NgramProposer(k).propose(tokens) == expected
+    assert NgramProposer(k).lookup(tokens) == expected
 
 
 def test_ngram_sizes_are_checked() -> None:
@@ -116,6 +116,8 @@ def test_a_wrong_rule_fails_the_same_check(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def speculative(loaded: LoadedModel, k: int, **config) -> SpeculativeEngine:
+    """Every proposal checked (a token costs nothing): the tokens must not depend on how many are."""
+    config = {"speculative_token_cost": 0.0} | config
     return SpeculativeEngine(loaded, SpeculativeEngineConfig(device="cpu", attn="torch", speculative_tokens=k,
                                                              **config))
 
@@ -132,15 +134,16 @@ def test_greedy_output_is_step01s_with_proposals_kept(tiny: LoadedModel, k: int)
     assert engine.accepted_tokens > 0, "no proposal was kept: the check proves nothing about keeping them"
 
 
-class CorruptedOracle:
+class CorruptedOracle(NgramProposer):
     """Proposes each request's true greedy continuation (known from step 01) with the second of every three proposals wrong:
     every verification keeps some proposals and rejects the rest, so rollback runs on every step."""
 
     def __init__(self, k: int, prompts: list[list[int]], continuations: list[list[int]], vocab_size: int) -> None:
-        self.k, self.vocab_size = k, vocab_size
+        super().__init__(k)
+        self.vocab_size = vocab_size
         self.sequences = [p + c for p, c in zip(prompts, continuations, strict=True)]
 
-    def propose(self, token_ids: list[int]) -> list[int]:
+    def lookup(self, token_ids: list[int]) -> list[int]:
         sequence = next(s for s in self.sequences if s[: len(token_ids)] == token_ids)
         truth = sequence[len(token_ids) : len(token_ids) + self.k]
         return [(t + 1) % self.vocab_size if i % 3 == 1 else t for i, t in enumerate(truth)]
