@@ -44,6 +44,8 @@ STEPS: tuple[Step, ...] = (
          "step09_chunked_prefill.engine:ChunkedPrefillEngine"),
     Step("step10_prefix_caching", "full KV blocks keyed by their tokens, shared by prompts that start alike",
          "step10_prefix_caching.engine:PrefixCachingEngine"),
+    Step("step11_speculative_decoding", "several proposed tokens checked in one forward: n-gram or draft-model guesses",
+         "step11_speculative_decoding.engine:SpeculativeEngine"),
     Step("step12_cuda_graph", "decode replayed as CUDA graphs per batch bucket (eager on a CPU)",
          "step12_cuda_graph.engine:CudaGraphEngine"),
     Step("step13_fused_decode", "fewer, larger kernels: packed projections, fused element-wise chains, own matmul, PDL",

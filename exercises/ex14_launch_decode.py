@@ -6,11 +6,11 @@ place of `OverlapSchedulingEngine.launch_decode` and runs step 14's tests (with 
 
 from __future__ import annotations
 
-from step10_prefix_caching.engine import PrefixCachedRequest
+from step11_speculative_decoding.engine import SpeculativeRequest
 from step14_overlap_scheduling.engine import LaunchAheadBatch, LaunchedDecode, OverlapSchedulingEngine  # noqa: F401
 
 
-def launch_decode(self: OverlapSchedulingEngine, requests: list[PrefixCachedRequest],
+def launch_decode(self: OverlapSchedulingEngine, requests: list[SpeculativeRequest],
                   previous: LaunchedDecode | None = None) -> LaunchedDecode:
     """Launch one decode step of `requests` (row i is `requests[i]`) without waiting for it, and return it as
     `LaunchedDecode(requests, seq_lens, tokens)`: the requests, each row's length, the step's `PendingTokens`.

@@ -79,6 +79,7 @@ class SpeculativeEngine(PrefixCachingEngine):
 
     def __init__(self, loaded: LoadedModel, config: SpeculativeEngineConfig) -> None:
         super().__init__(loaded, config)
+        self.check_speculation(config)
         self.proposer: Proposer | None = self.create_proposer(config) if config.speculative_tokens else None
         self.token_cost = (config.speculative_token_cost if config.speculative_token_cost is not None
                            else DEFAULT_TOKEN_COST.get(self.device.type, DEFAULT_TOKEN_COST["cpu"]))
@@ -90,14 +91,21 @@ class SpeculativeEngine(PrefixCachingEngine):
         if self.proposer is not None:
             print(f"[{type(self).__name__}] {self.describe_speculation()}", flush=True)  # said at start-up
 
+    @staticmethod
+    def check_speculation(config: SpeculativeEngineConfig) -> None:
+        if config.speculative_tokens < 0:
+            raise ValueError(f"--speculative-tokens must be 0 (off) or more, got {config.speculative_tokens}")
+        if config.speculative_method not in ("ngram", "draft"):
+            raise ValueError(f"--speculative-method must be ngram or draft, got {config.speculative_method!r}")
+        if config.draft_model is not None and config.speculative_method != "draft":
+            raise ValueError("--draft-model is used only with --speculative-method draft: add that, or drop the model")
+
     def create_proposer(self, config: SpeculativeEngineConfig) -> Proposer:
         if config.speculative_method == "ngram":
             return NgramProposer(config.speculative_tokens)
-        if config.speculative_method == "draft":
-            from step11_speculative_decoding.draft import DraftProposer  # loads a second model
+        from step11_speculative_decoding.draft import DraftProposer  # loads a second model
 
-            return DraftProposer.create(self, config)
-        raise ValueError(f"--speculative-method must be ngram or draft, got {config.speculative_method!r}")
+        return DraftProposer.create(self, config)
 
     def describe_speculation(self) -> str:
         return (f"speculation: up to {self.config.speculative_tokens} {self.config.speculative_method} proposals "
@@ -144,14 +152,19 @@ class SpeculativeEngine(PrefixCachingEngine):
         candidates = sorted(((r.acceptance**j, i) for i, r in enumerate(decoders) for j in range(1, limits[i] + 1)),
                             key=lambda chance_and_row: -chance_and_row[0])
         for chance, i in candidates:
-            if tokens >= self.token_budget or chance <= expected * self.token_cost / (1 + tokens * self.token_cost):
+            if tokens >= self.speculation_token_limit() or chance <= expected * self.token_cost / (1 + tokens * self.token_cost):
                 break
             counts[i] += 1
             expected, tokens = expected + chance, tokens + 1
         for i, request in enumerate(decoders):
-            if not counts[i] and limits[i] and request.steps_unchecked >= PROBE_EVERY and tokens < self.token_budget:
+            probe = not counts[i] and limits[i] and request.steps_unchecked >= PROBE_EVERY
+            if probe and tokens < self.speculation_token_limit():
                 counts[i], tokens = 1, tokens + 1
         return counts
+
+    def speculation_token_limit(self) -> int:
+        """The most tokens a step may reach with its proposals: the token budget."""
+        return self.token_budget
 
     def reserve_proposal_blocks(self, request: SpeculativeRequest, proposal: Proposal) -> Proposal:
         """Take the blocks the proposal's positions need from the free ones; cut it where the pool runs short."""
@@ -185,19 +198,40 @@ class SpeculativeEngine(PrefixCachingEngine):
 
     @torch.inference_mode()
     def compute_verified(self, chunks: list[Chunk]) -> list[list[int]]:
-        """The forward, then the tokens each sampling chunk emits: one for a chunk that ends a prompt or a plain
-        decoder (as step 09 samples it), the kept proposals and one more for a verification chunk."""
+        """The forward, then the tokens each sampling chunk emits (`tokens_from_logits`)."""
         hidden = self.run_chunks(chunks)
-        ends = list(itertools.accumulate(c.num_tokens for c in chunks))
-        verifying = [(c, range(end - c.num_tokens, end)) for c, end in zip(chunks, ends) if isinstance(c, VerifyChunk)]
-        others = [(c, end - 1) for c, end in zip(chunks, ends) if c.samples and not isinstance(c, VerifyChunk)]
-        verified = self.verify([c for c, _ in verifying],
-                               self.model.compute_logits(hidden[[row for _, rows in verifying for row in rows]]))
-        sampled = (self.sample(self.model.compute_logits(hidden[[row for _, row in others]]), [c.request for c, _ in others])
-                   if others else [])
-        verified_tokens, sampled_tokens = iter(verified), iter(sampled)
-        return [next(verified_tokens) if isinstance(c, VerifyChunk) else [next(sampled_tokens)]
-                for c in chunks if c.samples]
+        return self.tokens_from_logits(chunks, self.model.compute_logits(hidden[self.logit_rows(chunks)]))
+
+    @staticmethod
+    def logit_rows(chunks: list[Chunk]) -> list[int]:
+        """The token rows whose logits a step needs: every token of a verification chunk, the last token of
+        any other chunk that samples."""
+        rows, end = [], 0
+        for chunk in chunks:
+            end += chunk.num_tokens
+            if isinstance(chunk, VerifyChunk):
+                rows += range(end - chunk.num_tokens, end)
+            elif chunk.samples:
+                rows.append(end - 1)
+        return rows
+
+    def tokens_from_logits(self, chunks: list[Chunk], logits: torch.Tensor) -> list[list[int]]:
+        """From the logits of `logit_rows`, the tokens each sampling chunk emits: the kept proposals and one
+        more for a verification chunk; one, sampled as step 09 does, for a chunk that ends a prompt or a
+        plain decoder."""
+        verifying, others, verify_rows, other_rows, row = [], [], [], [], 0
+        for chunk in chunks:
+            if isinstance(chunk, VerifyChunk):
+                verifying.append(chunk)
+                verify_rows += range(row, row + chunk.num_tokens)
+                row += chunk.num_tokens
+            elif chunk.samples:
+                others.append(chunk)
+                other_rows.append(row)
+                row += 1
+        verified = iter(self.verify(verifying, logits[verify_rows]) if verifying else [])
+        sampled = iter(self.sample(logits[other_rows], [c.request for c in others]) if others else [])
+        return [next(verified) if isinstance(c, VerifyChunk) else [next(sampled)] for c in chunks if c.samples]
 
     def verify(self, chunks: list[VerifyChunk], logits: torch.Tensor) -> list[list[int]]:
         """The tokens each verification chunk emits, from the target's logits at its 1 + k positions (the

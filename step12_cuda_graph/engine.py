@@ -1,11 +1,13 @@
-"""Step 12: decode steps and mixed steps replayed as CUDA graphs; everything else is step 10's.
+"""Step 12: decode steps and mixed steps replayed as CUDA graphs; everything else is step 11's.
 
-Against step 10, `CudaGraphEngine` changes how a step runs, not what it computes:
+Against step 11, `CudaGraphEngine` changes how a step runs, not what it computes:
 - a decode-only step (`decode_graphs.py`): the batch is padded to a bucket, its inputs are written into
   static buffers, and the bucket's captured graph is replayed;
 - a mixed step, decoders and prefill chunks in one forward (`mixed_graphs.py`): its tokens are padded to a
-  token bucket, its requests to a row bucket, and that bucket's graph is replayed.
-The token budget, prefix caching, scheduling, preemption and priorities are steps 09 and 10's, so requests
+  token bucket, its requests to a row bucket, and that bucket's graph is replayed;
+- a speculative step (`verify_graphs.py`): the same, with smaller token buckets and every verified token's
+  logits out.
+The token budget, prefix caching, speculation, scheduling, preemption and priorities are steps 09 to 11's, so requests
 join, leave and get preempted between replays exactly as before. The pool has one block more than the
 allocator hands out: the dummy block, which padded rows and tokens write to and nobody reads.
 """
@@ -21,22 +23,23 @@ from common.request import RequestOutput
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend
 from step09_chunked_prefill.engine import Chunk
-from step10_prefix_caching.engine import PrefixCachedRequest, PrefixCachingEngine, PrefixCachingEngineConfig
+from step11_speculative_decoding.engine import SpeculativeEngine, SpeculativeEngineConfig, SpeculativeRequest
 from step12_cuda_graph.decode_graphs import (GRAPH_BYTES_PER_LOGIT, DecodeBatch, DecodeGraphs, PendingTokens,
                                              StaticDecodeInputs)
 from step12_cuda_graph.mixed_graphs import MixedChunk, MixedStepGraphs, TileListTritonBackend
+from step12_cuda_graph.verify_graphs import VERIFY_BYTES_PER_LOGIT, VERIFY_MAX_TOKENS, VerifyStepGraphs
 
 
 @dataclass
-class CudaGraphEngineConfig(PrefixCachingEngineConfig):
-    cuda_graph: bool = True  # False: step 10's eager decode and mixed steps, for comparison
+class CudaGraphEngineConfig(SpeculativeEngineConfig):
+    cuda_graph: bool = True  # False: step 11's eager decode and mixed steps, for comparison
     max_graph_batch: int = 256  # larger decode batches run eagerly
     # Mixed steps (decoders and prefill chunks) on static buffers, replayed as graphs per token bucket
     # (`mixed_graphs.py`). None: on wherever decode is captured (eagerly, padding would only cost time).
     mixed_graphs: bool | None = None
 
 
-class CudaGraphEngine(PrefixCachingEngine):
+class CudaGraphEngine(SpeculativeEngine):
     config_class = CudaGraphEngineConfig
     decode_inputs_class = StaticDecodeInputs  # the static buffers a decode graph reads
 
@@ -51,6 +54,11 @@ class CudaGraphEngine(PrefixCachingEngine):
             self.mixed = MixedStepGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
                                          self.worst_step_tokens(config), config.max_num_seqs,
                                          capture=self.eager_reason is None)
+        self.verify_graphs: VerifyStepGraphs | None = None
+        if self.mixed is not None and self.proposer is not None:
+            self.verify_graphs = VerifyStepGraphs(self.model, self.cache, self.backend, self.max_model_len,
+                                                  self.dummy_block, self.verify_max_tokens(config),
+                                                  config.max_num_seqs, capture=self.eager_reason is None)
         print(f"[{type(self).__name__}] decode: {self.graph_status()}", flush=True)  # said at start-up
 
     def backend_classes(self, config: CudaGraphEngineConfig) -> dict[str, type[AttentionBackend]]:
@@ -66,6 +74,9 @@ class CudaGraphEngine(PrefixCachingEngine):
                             self.max_graph_batch(config), capture=self.eager_reason is None,
                             inputs_class=self.decode_inputs_class)
 
+    def verify_max_tokens(self, config: CudaGraphEngineConfig) -> int:
+        return min(VERIFY_MAX_TOKENS, self.worst_step_tokens(config))
+
     @staticmethod
     def max_graph_batch(config: CudaGraphEngineConfig) -> int:
         return max(1, min(config.max_graph_batch, config.max_num_seqs))
@@ -77,13 +88,15 @@ class CudaGraphEngine(PrefixCachingEngine):
         if not config.cuda_graph or self.device.type != "cuda":
             return blocks
         graph_bytes = GRAPH_BYTES_PER_LOGIT * self.max_graph_batch(config) * self.model.config.vocab_size
+        if config.speculative_tokens:
+            graph_bytes += VERIFY_BYTES_PER_LOGIT * self.verify_max_tokens(config) * self.model.config.vocab_size
         per_block = PagedKVCache.bytes_per_block(self.model.config, config.block_size, self.model.dtype)
         return max(1, blocks - graph_bytes // per_block)
 
     def why_not_capture(self, config: CudaGraphEngineConfig) -> str | None:
         """None if decode can be captured; otherwise the reason it runs eagerly, to be said out loud."""
         if not config.cuda_graph:
-            return "--no-cuda-graph: step 10's eager steps"
+            return "--no-cuda-graph: step 11's eager steps"
         if self.device.type != "cuda":
             return "CUDA graphs need a CUDA device: the padded static-buffer decode runs eagerly"
         if not self.backend.capturable_decode:
@@ -97,6 +110,8 @@ class CudaGraphEngine(PrefixCachingEngine):
         described = self.graphs.describe() if self.graphs else "no graphs"
         if self.mixed is not None:
             described += f"; {self.mixed.describe()}"
+        if self.verify_graphs is not None:
+            described += f"; {self.verify_graphs.describe()}"
         if self.eager_reason is not None:
             described += f": {self.eager_reason}"
         return described
@@ -104,12 +119,12 @@ class CudaGraphEngine(PrefixCachingEngine):
     # ----- running a step on the static buffers ------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, requests: list[PrefixCachedRequest]) -> list[RequestOutput]:
+    def decode(self, requests: list[SpeculativeRequest]) -> list[RequestOutput]:
         if self.graphs is None or len(requests) > self.graphs.max_batch:
             return super().decode(requests)
         return self.process_tokens(requests, self.launch(requests).wait())
 
-    def launch(self, requests: list[PrefixCachedRequest]) -> PendingTokens:
+    def launch(self, requests: list[SpeculativeRequest]) -> PendingTokens:
         """Give each request its next block if it needs one, and launch its decode step without waiting."""
         assert self.graphs is not None
         for request in requests:
@@ -124,13 +139,31 @@ class CudaGraphEngine(PrefixCachingEngine):
         """Step 09's mixed forward on the static buffers of `MixedStepGraphs`, replayed where captured."""
         if self.mixed is None or not self.mixed.fits(sum(c.num_tokens for c in chunks), len(chunks)):
             return super().compute_chunks(chunks, sampling)
-        pending = self.mixed.launch([
-            MixedChunk(self.chunk_token_ids(c), c.start, c.request.block_table, c.samples, c.request.params,
-                       len(c.request.output_token_ids)) for c in chunks])
+        pending = self.mixed.launch([self.mixed_chunk(c) for c in chunks])
         if not sampling:
             return []  # nothing to wait for
         tokens = pending.wait()
         return [token for token, chunk in zip(tokens, chunks) if chunk.samples]
+
+    def mixed_chunk(self, chunk: Chunk) -> MixedChunk:
+        return MixedChunk(self.chunk_token_ids(chunk), chunk.start, chunk.request.block_table, chunk.samples,
+                          chunk.request.params, len(chunk.request.output_token_ids))
+
+    # ----- speculative steps: within the verification graphs' buckets ---------------------------------------
+
+    def speculation_token_limit(self) -> int:
+        """Proposals stop where the verification graphs do: a larger step would run eagerly."""
+        if self.verify_graphs is None:
+            return super().speculation_token_limit()
+        return min(super().speculation_token_limit(), self.verify_graphs.token_buckets[-1])
+
+    @torch.inference_mode()
+    def compute_verified(self, chunks: list[Chunk]) -> list[list[int]]:
+        graphs = self.verify_graphs
+        if graphs is None or not graphs.fits(sum(c.num_tokens for c in chunks), len(chunks)):
+            return super().compute_verified(chunks)
+        logits = graphs.run([self.mixed_chunk(c) for c in chunks])
+        return self.tokens_from_logits(chunks, logits[self.logit_rows(chunks)])
 
     def memory_report(self) -> str:
         return f"{super().memory_report()}\ndecode: {self.graph_status()}"

@@ -168,11 +168,14 @@ class MixedStepGraphs:
     """The mixed forward (embedding, layers, logits at each row's last token, sampling) on static buffers,
     captured per token bucket, row bucket and sampling mode, then replayed."""
 
+    name = "mixed"  # the steps it replays, as `describe` says
+    sampling_modes = (False, True)  # greedy only, or some row samples
+
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
                  dummy_block: int, max_tokens: int, max_rows: int, capture: bool) -> None:
         self.model, self.cache, self.backend = model, cache, backend
         self.device = model.device
-        self.token_buckets = mixed_token_buckets(max_tokens)
+        self.token_buckets = self.token_buckets_for(max_tokens)
         self.row_buckets = mixed_row_buckets(max_rows)
         self.inputs = StaticMixedInputs(max_tokens, max_rows, cache.blocks_for(max_model_len), cache.block_size,
                                         dummy_block, self.device)
@@ -185,6 +188,15 @@ class MixedStepGraphs:
         # graph: its mixed steps run on the same buffers, eagerly.
         if capture and backend.capturable_prefill:
             self.capture_all()
+
+    @staticmethod
+    def token_buckets_for(max_tokens: int) -> list[int]:
+        return mixed_token_buckets(max_tokens)
+
+    def reachable(self, tokens: int, rows: int) -> bool:
+        """Whether a step of at most `tokens` tokens can need the row bucket `rows` (each row has a token)."""
+        smaller = [r for r in self.row_buckets if r < rows]
+        return not smaller or smaller[-1] < tokens
 
     def fits(self, num_tokens: int, num_rows: int) -> bool:
         return num_tokens <= self.token_buckets[-1] and num_rows <= self.row_buckets[-1]
@@ -206,8 +218,11 @@ class MixedStepGraphs:
         ntiles = max_tiles(tokens, rows)
         context = MixedGraphForward(self.cache, self.backend, meta, s.positions[:tokens], s.tile_request[:ntiles],
                                     s.tile_index[:ntiles])
-        hidden = self.model(s.input_ids[:tokens], context)
-        last = hidden[s.sample_index[:rows]]
+        self.write_outputs(self.model(s.input_ids[:tokens], context), tokens, rows, sampled)
+
+    def write_outputs(self, hidden: torch.Tensor, tokens: int, rows: int, sampled: bool) -> None:
+        """A token per row, from the logits at its last token, into the static `self.tokens`."""
+        last = hidden[self.inputs.sample_index[:rows]]
         if sampled:
             params = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:rows] for f in fields(SamplingTensors)})
             self.tokens[:rows] = sample_rows(self.model.compute_logits(last), params)
@@ -218,10 +233,10 @@ class MixedStepGraphs:
         """Record every bucket's graphs, largest first, in one memory pool (they never run at once)."""
         recorder = GraphRecorder(self.device)
         for tokens in reversed(self.token_buckets):
-            for rows in reversed(self.row_buckets):
+            for rows in [r for r in reversed(self.row_buckets) if self.reachable(tokens, r)]:
                 # One padding chunk on the dummy block: the capture writes nothing a request reads.
                 self.inputs.fill([MixedChunk([0], 0, [self.inputs.dummy_block], False, PAD_PARAMS, 0)], tokens, rows)
-                for sampled in (False, True):
+                for sampled in self.sampling_modes:
                     self.graphs[tokens, rows, sampled] = recorder.record(
                         lambda: self.forward(tokens, rows, sampled))  # noqa: B023 - called at once
         self.capture_seconds, self.capture_bytes = recorder.finish()
@@ -229,10 +244,7 @@ class MixedStepGraphs:
     def launch(self, chunks: Sequence[MixedChunk]) -> PendingTokens:
         """Fill the static inputs, replay the graph of the smallest buckets that hold the chunks (or run the same
         forward eagerly), without waiting. Row i's token is chunk i's (meaningful where the chunk samples)."""
-        num_tokens = sum(len(c.token_ids) for c in chunks)
-        tokens = next(b for b in self.token_buckets if b >= num_tokens)
-        rows = next(b for b in self.row_buckets if b >= len(chunks))
-        self.inputs.fill(chunks, tokens, rows)
+        tokens, rows = self.place(chunks)
         sampled = not all(c.params.greedy for c in chunks if c.samples)
         if sampled:
             padded = [c.params if c.samples else PAD_PARAMS for c in chunks] + [PAD_PARAMS] * (rows - len(chunks))
@@ -242,16 +254,28 @@ class MixedStepGraphs:
             for f in fields(SamplingTensors):
                 field = getattr(host, f.name)
                 getattr(self.sampling, f.name)[:rows].copy_(field.pin_memory() if pinned else field, non_blocking=pinned)
+        self.replay(chunks, tokens, rows, sampled)
+        return PendingTokens(self.tokens[: len(chunks)])
+
+    def place(self, chunks: Sequence[MixedChunk]) -> tuple[int, int]:
+        """Fill the static inputs in the smallest token and row buckets that hold the chunks; return those."""
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        tokens = next(b for b in self.token_buckets if b >= num_tokens)
+        rows = next(b for b in self.row_buckets if b >= len(chunks))
+        self.inputs.fill(chunks, tokens, rows)
+        return tokens, rows
+
+    def replay(self, chunks: Sequence[MixedChunk], tokens: int, rows: int, sampled: bool) -> None:
         graph = self.graphs.get((tokens, rows, sampled))
         if graph is not None:
             graph.replay()
         else:  # eager: no CUDA, or a backend a graph cannot hold
             self.forward(tokens, rows, sampled,
                          ([len(c.token_ids) for c in chunks], [c.start + len(c.token_ids) for c in chunks]))
-        return PendingTokens(self.tokens[: len(chunks)])
 
     def describe(self) -> str:
         if not self.graphs:
-            return f"mixed steps on static buffers, eager (token buckets {self.token_buckets}, rows {self.row_buckets})"
-        return (f"{len(self.graphs)} mixed-step graphs (token buckets {self.token_buckets}, rows {self.row_buckets}) "
+            return (f"{self.name} steps on static buffers, eager (token buckets {self.token_buckets}, "
+                    f"rows {self.row_buckets})")
+        return (f"{len(self.graphs)} {self.name}-step graphs (token buckets {self.token_buckets}, rows {self.row_buckets}) "
                 f"captured in {self.capture_seconds:.1f} s, {self.capture_bytes / 2**20:.0f} MiB")

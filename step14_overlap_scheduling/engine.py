@@ -27,7 +27,7 @@ import torch
 from common.loading import LoadedModel
 from common.request import RequestOutput
 from step09_chunked_prefill.engine import Chunk
-from step10_prefix_caching.engine import PrefixCachedRequest
+from step11_speculative_decoding.engine import SpeculativeRequest
 from step12_cuda_graph.decode_graphs import DecodeBatch, PendingTokens, StaticDecodeInputs
 from step13_fused_decode.engine import FusedDecodeEngine, FusedDecodeEngineConfig
 
@@ -61,19 +61,19 @@ class LaunchAheadInputs(StaticDecodeInputs):
 class LaunchedDecode:
     """A decode step on the GPU: its requests in row order, the length each was computed at, its tokens to come."""
 
-    requests: list[PrefixCachedRequest]
+    requests: list[SpeculativeRequest]
     seq_lens: list[int]
     tokens: PendingTokens
-    row_of: dict[PrefixCachedRequest, int] = field(init=False)
+    row_of: dict[SpeculativeRequest, int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.row_of = {request: row for row, request in enumerate(self.requests)}
 
-    def seq_len_of(self, request: PrefixCachedRequest) -> int | None:
+    def seq_len_of(self, request: SpeculativeRequest) -> int | None:
         row = self.row_of.get(request)
         return None if row is None else self.seq_lens[row]
 
-    def covers(self, requests: list[PrefixCachedRequest]) -> bool:
+    def covers(self, requests: list[SpeculativeRequest]) -> bool:
         """Whether this step computed the next token of every one of these requests (and more is fine: the
         rows of requests that finished meanwhile are ignored)."""
         return all(self.seq_len_of(r) == r.num_tokens for r in requests)
@@ -111,7 +111,7 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
         return super().step()
 
     @torch.inference_mode()
-    def decode(self, requests: list[PrefixCachedRequest]) -> list[RequestOutput]:
+    def decode(self, requests: list[SpeculativeRequest]) -> list[RequestOutput]:
         ahead, self.launched_ahead = self.launched_ahead, None
         if not self.overlap or self.graphs is None or len(requests) > self.graphs.max_batch:
             return super().decode(requests)
@@ -127,7 +127,7 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
         sampled = current.tokens.wait()  # the GPU goes on with the step launched ahead meanwhile
         return self.process_tokens(requests, [sampled[current.row_of[r]] for r in requests])
 
-    def launch_decode(self, requests: list[PrefixCachedRequest], previous: LaunchedDecode | None = None
+    def launch_decode(self, requests: list[SpeculativeRequest], previous: LaunchedDecode | None = None
                       ) -> LaunchedDecode:
         """Give each request its next block if it needs one and launch its decode step. A request of
         `previous` has a token there that the host has not appended yet: that token is its input, read on
@@ -160,13 +160,22 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
         batch = [r for r in self.running if not self.finishes_by_length(r, pending=r in current.row_of)]
         if not batch or len(batch) > self.graphs.max_batch:
             return None
+        if self.may_speculate(batch):
+            return None  # a proposal needs this step's token, on the host, before the next step can be laid out
         new_blocks = sum(self.needs_new_block(r, r.num_tokens + (r in current.row_of)) for r in batch)
         if new_blocks > self.allocator.num_free:
             return None  # the scheduler decides who gets the last blocks (and who is preempted)
         return self.launch_decode(batch, previous=current)
 
+    def may_speculate(self, batch: list[SpeculativeRequest]) -> bool:
+        """Whether step 11's rule could check a proposal for any of these decoders in the next step, whatever
+        the proposer finds: then that step is laid out once this one's tokens are known, not launched ahead."""
+        if self.proposer is None:
+            return False
+        return any(self.proposal_counts(batch, [self.config.speculative_tokens] * len(batch), len(batch)))
+
     @staticmethod
-    def finishes_by_length(request: PrefixCachedRequest, pending: bool) -> bool:
+    def finishes_by_length(request: SpeculativeRequest, pending: bool) -> bool:
         """Whether the request is done by length once its token still on the device (if any) is appended."""
         outputs = len(request.output_token_ids) + pending
         return outputs >= request.params.max_tokens or request.num_tokens + pending >= request.max_model_len

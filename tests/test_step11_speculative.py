@@ -12,7 +12,8 @@ from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams, SamplingTensors, sample_rows
 from step01_serial.engine import SerialEngine
 from step11_speculative_decoding import verify
-from step11_speculative_decoding.engine import SpeculativeEngine, SpeculativeEngineConfig
+from step11_speculative_decoding.engine import PROBE_EVERY, SpeculativeEngine, SpeculativeEngineConfig
+from step11_speculative_decoding.oracle import OracleProposer
 from step11_speculative_decoding.proposers import NgramProposer
 from step11_speculative_decoding.verify import accept_greedy, rejection_sample, target_probabilities
 from tests.helpers import (PARITY_MAX_TOKENS, CheckedRun, assert_matches_reference, assert_nothing_left, run_checked,
@@ -134,31 +135,24 @@ def test_greedy_output_is_step01s_with_proposals_kept(tiny: LoadedModel, k: int)
     assert engine.accepted_tokens > 0, "no proposal was kept: the check proves nothing about keeping them"
 
 
-class CorruptedOracle(NgramProposer):
-    """Proposes each request's true greedy continuation (known from step 01) with the second of every three proposals wrong:
-    every verification keeps some proposals and rejects the rest, so rollback runs on every step."""
-
-    def __init__(self, k: int, prompts: list[list[int]], continuations: list[list[int]], vocab_size: int) -> None:
-        super().__init__(k)
-        self.vocab_size = vocab_size
-        self.sequences = [p + c for p, c in zip(prompts, continuations, strict=True)]
-
-    def lookup(self, token_ids: list[int]) -> list[int]:
-        sequence = next(s for s in self.sequences if s[: len(token_ids)] == token_ids)
-        truth = sequence[len(token_ids) : len(token_ids) + self.k]
-        return [(t + 1) % self.vocab_size if i % 3 == 1 else t for i, t in enumerate(truth)]
+def oracle(k: int, prompts: list[list[int]], continuations: list[list[int]], acceptance: float,
+           tiny: LoadedModel) -> OracleProposer:
+    """Each request's true greedy continuation (known from step 01), each token wrong with chance 1 - acceptance."""
+    return OracleProposer(k, {tuple(p): c for p, c in zip(prompts, continuations, strict=True)}, acceptance,
+                          tiny.model.config.vocab_size)
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])
 def test_partly_wrong_proposals_are_rolled_back(k: int) -> None:
+    """Proposals right or wrong at random: every verification keeps some and rolls back the rest."""
     tiny = load_model("tiny-qwen2")
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:6]]
     params = SamplingParams(max_tokens=40)
     expected = step01_tokens(tiny, prompts, params)
     engine = speculative(tiny, k, block_size=4)
-    engine.proposer = CorruptedOracle(k, prompts, expected, tiny.model.config.vocab_size)
+    engine.proposer = oracle(k, prompts, expected, 0.6, tiny)
     assert CheckedRun(engine).run(prompts, params) == expected
-    assert 0 < engine.accepted_tokens < engine.proposed_tokens
+    assert 0 < engine.accepted_tokens < engine.proposed_tokens  # some kept, some rolled back
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
@@ -245,3 +239,54 @@ def test_the_benchmark_runs_and_finds_the_same_tokens(tmp_path) -> None:  # noqa
     runs = json.loads(out.read_text(encoding="utf-8"))["runs"]
     assert [r["speculative_tokens"] for r in runs] == [0, 4]
     assert all(r["identical_to_off"] for r in runs) and runs[1]["accepted"] > 0
+
+
+# ----- the rule: how many proposals a step checks -------------------------------------------------------------
+
+
+def rule_engine(cost: float, budget: int = 512) -> SpeculativeEngine:
+    return speculative(load_model("tiny-llama"), 8, speculative_token_cost=cost, max_num_batched_tokens=budget)
+
+
+def decoders_with(engine: SpeculativeEngine, acceptances: list[float], unchecked: int = 0) -> list:  # noqa: ANN001
+    requests = [engine.requests[engine.add_request([1, 2, 3], SamplingParams())] for _ in acceptances]
+    for request, acceptance in zip(requests, acceptances, strict=True):
+        request.acceptance, request.steps_unchecked = acceptance, unchecked
+    return requests
+
+
+@pytest.mark.parametrize("acceptances, cost, expected", [
+    ([0.5], 0.0, [8]),  # a token costs nothing: every proposal is checked
+    ([0.5], 0.1, [2]),  # 0.5 and 0.25 pay at 0.1 a token; 0.125 does not (worked out in the lesson)
+    ([0.9], 0.1, [8]),
+    ([0.0], 0.005, [0]),  # never kept: never checked
+    ([0.2], 0.1, [1]),
+    ([0.9, 0.2], 0.1, [8, 0]),  # the likely one first; then the step is larger, and 0.2 no longer pays
+    ([0.5] * 64, 0.1, [0] * 64),  # a batch of 64: a token costs more than half a row's worth
+])
+def test_the_rule_checks_proposals_that_pay(acceptances: list[float], cost: float, expected: list[int]) -> None:
+    engine = rule_engine(cost)
+    assert engine.proposal_counts(decoders_with(engine, acceptances), [8] * len(acceptances), len(acceptances)) == expected
+
+
+def test_the_rule_stops_at_the_budget_and_probes_the_left_out() -> None:
+    engine = rule_engine(0.0, budget=5)
+    # Three tokens left: 0.9, 0.9, then 0.81, the most likely proposals first, whoever's they are.
+    assert engine.proposal_counts(decoders_with(engine, [0.9, 0.9]), [8, 8], 2) == [2, 1]
+    probing = rule_engine(0.005)
+    left_out = decoders_with(probing, [0.0, 0.0], unchecked=PROBE_EVERY)
+    assert probing.proposal_counts(left_out, [8, 0], 2) == [1, 0]  # one proposal, where there is one
+
+
+def test_a_request_whose_proposals_fail_stops_speculating_but_still_probes() -> None:
+    """An oracle that is always wrong: the acceptance estimate falls, checks become probes, output unchanged."""
+    tiny = load_model("tiny-qwen2")
+    prompts = [tiny.tokenizer.apply_chat_template(PARITY_PROMPTS[0])]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    expected = step01_tokens(tiny, prompts, params)
+    engine = speculative(tiny, 4, block_size=4, speculative_token_cost=0.1)
+    engine.proposer = oracle(4, prompts, expected, 0.0, tiny)
+    assert CheckedRun(engine).run(prompts, params) == expected
+    assert engine.accepted_tokens == 0
+    # 0.5 falls below 0.1 after 8 rejections (0.5 x 0.8^8 = 0.08); then one probe every PROBE_EVERY + 1 steps.
+    assert 8 <= engine.verify_rows <= 8 + 60 // PROBE_EVERY

@@ -1,0 +1,35 @@
+"""Step 11: speculative decoding. A decoder's next tokens are guessed (n-gram lookup in its own text, or a
+small draft model) and checked in one forward of k + 1 tokens; the output is plain decoding's.
+
+Examples:
+    .venv/bin/python step11_speculative_decoding/run.py --dry-run --speculative-tokens 4   # tiny models, parity with HF
+    .venv/bin/python step11_speculative_decoding/run.py --speculative-tokens 4              # the embedded model
+    .venv/bin/python step11_speculative_decoding/run.py --speculative-tokens 4 --speculative-method draft \\
+        --draft-model tiny-llama                                                            # a (useless) draft: same tokens
+    .venv/bin/python step11_speculative_decoding/bench_speculative.py                      # acceptance and speed-up
+"""
+
+import argparse
+
+from common.cli import main
+from step10_prefix_caching.run import add_arguments as add_step10_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_step10_arguments(parser)
+    speculation = parser.add_argument_group("speculative decoding")
+    speculation.add_argument("--speculative-tokens", type=int, default=0,
+                             help="k, the most tokens proposed for a decoder per step (default 0: no speculation)")
+    speculation.add_argument("--speculative-method", choices=["ngram", "draft"], default="ngram",
+                             help="ngram: the request's last tokens found earlier in its prompt or output (default); "
+                                  "draft: a smaller model with the same tokenizer (--draft-model)")
+    speculation.add_argument("--draft-model", default=None,
+                             help="the draft model for --speculative-method draft (any --model name)")
+    # The defaults are engine.py's DEFAULT_TOKEN_COST, written out: --help must not wait for torch to load.
+    speculation.add_argument("--speculative-token-cost", type=float, default=None,
+                             help="what one more token costs as a fraction of a step, for the rule that decides how "
+                                  "many proposals to check (default 0.1 on a CPU, 0.005 on a GPU; 0 checks all)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main("step11_speculative_decoding", __doc__, add_arguments=add_arguments))

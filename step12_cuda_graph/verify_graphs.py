@@ -1,0 +1,58 @@
+"""Step 11's verification steps replayed as CUDA graphs, per small token bucket.
+
+A speculative step (decoders, verification rows of k + 1 tokens, perhaps a prefill chunk) is step 09's mixed
+step with logits at every token of a verification row rather than at each row's last. Padded to the smallest
+mixed bucket, 256 tokens, a batch-1 verification of 5 tokens would compute 51 times the tokens it needs; so its
+buckets are small (8, 16, 32, ... up to `VERIFY_MAX_TOKENS`), and the proposals of a step stop there
+(`CudaGraphEngine.speculation_token_limit`). The graph writes every token's logits to a static buffer; the
+engine takes the rows it needs and verifies them as step 11 does, on the host's side of the replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from common.model import CausalLM
+from step02_paged_kv.kv_cache import PagedKVCache
+from step06_paged_attention.backends import AttentionBackend
+from step12_cuda_graph.mixed_graphs import MixedChunk, MixedStepGraphs
+
+SMALLEST_VERIFY_BUCKET = 8
+VERIFY_MAX_TOKENS = 512  # the largest verification step replayed; 512 float32 rows of Qwen2.5's logits: 311 MB
+VERIFY_BYTES_PER_LOGIT = 16  # the static logits (4 bytes each) and what the head leaves in the graphs' pool
+
+
+def verify_token_buckets(max_tokens: int) -> list[int]:
+    sizes, size = [], SMALLEST_VERIFY_BUCKET
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_tokens]
+
+
+class VerifyStepGraphs(MixedStepGraphs):
+    """Step 12's mixed forward with small token buckets and every token's logits out: one graph per token and
+    row bucket (verification itself, greedy or by rejection sampling, runs after the replay)."""
+
+    name = "verification"
+    sampling_modes = (False,)  # no sampling inside: the logits are the output
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
+                 dummy_block: int, max_tokens: int, max_rows: int, capture: bool) -> None:
+        self.logits = torch.zeros(max_tokens, model.config.vocab_size, device=model.device)
+        super().__init__(model, cache, backend, max_model_len, dummy_block, max_tokens, max_rows, capture)
+
+    @staticmethod
+    def token_buckets_for(max_tokens: int) -> list[int]:
+        return verify_token_buckets(max_tokens)
+
+    def write_outputs(self, hidden: torch.Tensor, tokens: int, rows: int, sampled: bool) -> None:
+        self.logits[:tokens] = self.model.compute_logits(hidden)
+
+    def run(self, chunks: Sequence[MixedChunk]) -> torch.Tensor:
+        """Replay (or run eagerly) the step; the logits of its tokens, laid end to end: [tokens, vocab]."""
+        tokens, rows = self.place(chunks)
+        self.replay(chunks, tokens, rows, sampled=False)
+        return self.logits[: sum(len(c.token_ids) for c in chunks)]

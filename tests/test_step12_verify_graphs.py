@@ -1,0 +1,95 @@
+"""Step 11's speculation in the engines above it: verification steps on step 12's static buffers (replayed as
+graphs on a GPU, run eagerly on the same buffers on a CPU), and step 14's overlap, which stops launching ahead
+only while the next step may verify proposals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.loading import LoadedModel, load_model
+from common.prompts import PARITY_PROMPTS
+from common.sampling import SamplingParams
+from step11_speculative_decoding.oracle import OracleProposer
+from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
+from step12_cuda_graph.verify_graphs import VERIFY_MAX_TOKENS, verify_token_buckets
+from step14_overlap_scheduling.engine import OverlapSchedulingEngine, OverlapSchedulingEngineConfig
+from tests.helpers import CheckedRun, assert_nothing_left, step01_tokens, tight_pool_case
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_verification_buckets_are_small() -> None:
+    assert verify_token_buckets(512) == [8, 16, 32, 64, 128, 256, 512]
+    assert verify_token_buckets(40) == [8, 16, 32, 40]
+
+
+def graph_engine(loaded: LoadedModel, k: int, **config: object) -> CudaGraphEngine:
+    return CudaGraphEngine(loaded, CudaGraphEngineConfig(
+        device=DEVICE, attn="torch" if DEVICE == "cpu" else "triton", mixed_graphs=True, speculative_tokens=k,
+        speculative_token_cost=0.0, **config))
+
+
+def counting_runs(engine: CudaGraphEngine) -> list[int]:
+    """Counts the verification steps that ran on the static buffers (the graphs' path)."""
+    runs: list[int] = []
+    graphs = engine.verify_graphs
+    assert graphs is not None
+    run = graphs.run
+    graphs.run = lambda chunks: (runs.append(len(chunks)), run(chunks))[1]  # type: ignore[method-assign]
+    return runs
+
+
+@pytest.mark.parametrize("tiny", ["tiny-llama", "tiny-qwen3"], indirect=True)
+@pytest.mark.parametrize("k", [2, 8])
+def test_verification_on_static_buffers_gives_step01s_tokens(tiny: LoadedModel, k: int) -> None:
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:5]]
+    params = SamplingParams(max_tokens=30)
+    engine = graph_engine(tiny, k, block_size=4, max_num_seqs=8)
+    runs = counting_runs(engine)
+    assert CheckedRun(engine).run(prompts, params) == step01_tokens(tiny, prompts, params)
+    assert runs and engine.accepted_tokens > 0
+    if DEVICE == "cuda":
+        assert engine.verify_graphs.graphs, "verification steps were not captured on the GPU"
+    assert engine.speculation_token_limit() == min(engine.token_budget, VERIFY_MAX_TOKENS)
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_a_tiny_pool_with_verification_on_static_buffers(preempt: str) -> None:
+    tiny = load_model("tiny-llama")
+    prompts, params, expected, num_blocks = tight_pool_case(tiny)
+    engine = graph_engine(tiny, 4, block_size=4, num_blocks=num_blocks, preempt=preempt)
+    runs = counting_runs(engine)
+    assert CheckedRun(engine).run(prompts, params) == expected
+    assert runs and engine.preemptions > 0
+    assert_nothing_left(engine)
+
+
+def overlap_engine(loaded: LoadedModel, k: int, **config: object) -> OverlapSchedulingEngine:
+    return OverlapSchedulingEngine(loaded, OverlapSchedulingEngineConfig(
+        device=DEVICE, attn="torch" if DEVICE == "cpu" else "triton", overlap=True, mixed_graphs=True,
+        speculative_tokens=k, **config))
+
+
+def test_overlap_with_speculation_gives_step01s_tokens() -> None:
+    tiny = load_model("tiny-qwen2")
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:6]]
+    params = SamplingParams(max_tokens=30)
+    engine = overlap_engine(tiny, 4, block_size=4, speculative_token_cost=0.0)
+    assert CheckedRun(engine).run(prompts, params) == step01_tokens(tiny, prompts, params)
+    assert engine.accepted_tokens > 0
+
+
+def test_overlap_comes_back_once_proposals_stop_paying() -> None:
+    """Proposals always wrong: after a few verifications the rule checks none but the probes, and the steps in
+    between are launched ahead again."""
+    tiny = load_model("tiny-qwen2")
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:2]]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    expected = step01_tokens(tiny, prompts, params)
+    engine = overlap_engine(tiny, 4, block_size=4, speculative_token_cost=0.1)
+    engine.proposer = OracleProposer(4, {tuple(p): c for p, c in zip(prompts, expected, strict=True)}, 0.0,
+                                     tiny.model.config.vocab_size)
+    assert CheckedRun(engine).run(prompts, params) == expected
+    assert engine.accepted_tokens == 0 and engine.verify_rows > 0
+    assert engine.steps_launched_ahead > 30
