@@ -133,6 +133,13 @@ nanovllm() {
   done
 }
 
+speculative() {
+  echo "== step 11 on the GPU: verification steps replayed as graphs give step 01's tokens; the oracle sweep of the final engine"
+  python -m pytest -q -rs -p no:warnings tests/test_step12_verify_graphs.py 2>&1 | tee "$G/pytest-speculative.txt"
+  python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 2,4,8 \
+    --acceptances 0,0.5,0.7,0.9 --output "$G/speculative-oracle.json"
+}
+
 checkpoint_memory() {
   echo "== a 7B checkpoint loads onto the GPU without a second copy"
   python scripts/check_checkpoint_memory.py --folder /tmp/ckpt-qwen2.5-7b --output "$G/checkpoint-load-memory.json"
@@ -149,5 +156,5 @@ all_tests() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity decode_small decode_large decode_profile overlap kernels matmul step06_parts preempt serve stall bursts prefix nanovllm checkpoint_memory all_tests)
+[ ${#sections[@]} -gt 0 ] || sections=(parity decode_small decode_large decode_profile overlap kernels matmul step06_parts preempt serve stall bursts prefix nanovllm speculative checkpoint_memory all_tests)
 for section in "${sections[@]}"; do "$section"; done
