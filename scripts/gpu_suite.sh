@@ -137,8 +137,13 @@ speculative() {
   echo "== step 11 on the GPU: verification steps replayed as graphs give step 01's tokens; the oracle sweep of the final engine"
   python -m pytest -q -rs -p no:warnings tests/test_step12_verify_graphs.py 2>&1 | tee "$G/pytest-speculative.txt" \
     || echo "== FAILED: the verification tests on the GPU (pytest-speculative.txt); the sweep runs anyway"
-  python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 2,4,8 \
-    --acceptances 0,0.5,0.7,0.9 --output "$G/speculative-oracle.json"
+  # float32: the oracle's continuation must stay the engine's own (bf16 breaks random weights' near-ties one way
+  # in a decode step and another in a verification row). Then in bf16, every proposal checked at every step:
+  # what a verification step costs against a decode step.
+  python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --dtype float32 --batch-sizes 1,8,32,64 \
+    --ks 2,4,8 --acceptances 0,0.5,0.7,0.9 --output "$G/speculative-oracle-fp32.json"
+  python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 1,2,4,8 \
+    --acceptances 1 --token-cost 0 --output "$G/speculative-step-cost.json"
 }
 
 checkpoint_memory() {

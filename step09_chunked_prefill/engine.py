@@ -95,8 +95,9 @@ class WorstStepForward(ForwardContext):
     output (with grouped-query heads on the H200 it takes a path that grows with the square of the tokens):
     the reserve errs on the safe side."""
 
-    def __init__(self, num_tokens: int, device: torch.device) -> None:
-        self.positions = torch.arange(num_tokens, device=device)
+    def __init__(self, num_tokens: int, max_positions: int, device: torch.device) -> None:
+        # A step may hold more tokens than one sequence may have positions (many requests' chunks): wrap around.
+        self.positions = torch.arange(num_tokens, device=device) % max_positions
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
@@ -155,7 +156,7 @@ class ChunkedPrefillEngine(PreemptionEngine):
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=device),
-                            WorstStepForward(num_tokens, device))
+                            WorstStepForward(num_tokens, self.max_model_len, device))
         rows = min(num_tokens, max_rows)
         logits = self.model.compute_logits(hidden[:rows])
         # Top-k, top-p and temperature: the sampler's every temporary, for every row.
