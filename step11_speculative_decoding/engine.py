@@ -16,6 +16,7 @@ after the decoders and the chunks, and free blocks (it never preempts anyone for
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -28,13 +29,16 @@ from step10_prefix_caching.engine import PrefixCachedRequest, PrefixCachingEngin
 from step11_speculative_decoding.proposers import NgramProposer, Proposal, Proposer
 from step11_speculative_decoding.verify import accept_greedy, rejection_sample, target_probabilities
 
-# What one more token in a step costs, as a fraction of the step's fixed cost (reading the weights, launching
-# the kernels): about the device's memory bandwidth over its arithmetic rate. An H200 reads 4.8 TB/s and
-# computes about 990 TFLOP/s in bf16; on the 2-core CPU of the lesson a 5-token row over 200 cached tokens
-# costs 1.1x to 1.5x a 1-token one (`bench_speculative.py --token-costs` shows the rule at other values).
+# What speculation costs a step, in decode steps (a step of T tokens costs 1 + T x token cost):
+# - a token more: about the device's memory bandwidth over its arithmetic rate (an H200: 4.8 TB/s against about
+#   990 TFLOP/s in bf16); on the 2-core CPU of the lesson a 5-token row costs 1.1x to 1.5x a 1-token one;
+# - a step that verifies at all: on a GPU it leaves the decode graph for a verification graph and waits for its
+#   tokens before laying out the next step (no overlap); on a CPU both are the same eager forward.
+# The lesson's table measures both (`bench_oracle.py --token-cost 0`).
 DEFAULT_TOKEN_COST = {"cuda": 0.005, "cpu": 0.1}
+DEFAULT_STEP_COST = {"cuda": 0.3, "cpu": 0.0}
 ACCEPTANCE_WEIGHT = 0.2  # of each new outcome (kept 1, rejected 0) in a request's running acceptance estimate
-PROBE_EVERY = 8  # a request whose estimate says "do not speculate" still checks one proposal this often
+PROBE_SHARE = 0.02  # of the time, at most, spent checking one proposal of requests the rule leaves out
 
 
 @dataclass
@@ -42,7 +46,8 @@ class SpeculativeEngineConfig(PrefixCachingEngineConfig):
     speculative_tokens: int = 0  # k, the most tokens proposed for a decoder per step; 0: no speculation
     speculative_method: str = "ngram"  # ngram | draft
     draft_model: str | None = None  # --speculative-method draft: a model with the target's tokenizer
-    speculative_token_cost: float | None = None  # see DEFAULT_TOKEN_COST; 0 checks every proposal
+    speculative_token_cost: float | None = None  # see DEFAULT_TOKEN_COST; with a step cost of 0, 0 checks all
+    speculative_step_cost: float | None = None  # see DEFAULT_STEP_COST
 
 
 @dataclass(eq=False)
@@ -81,10 +86,14 @@ class SpeculativeEngine(PrefixCachingEngine):
         super().__init__(loaded, config)
         self.check_speculation(config)
         self.proposer: Proposer | None = self.create_proposer(config) if config.speculative_tokens else None
-        self.token_cost = (config.speculative_token_cost if config.speculative_token_cost is not None
-                           else DEFAULT_TOKEN_COST.get(self.device.type, DEFAULT_TOKEN_COST["cpu"]))
-        if self.token_cost < 0:
-            raise ValueError(f"--speculative-token-cost must be at least 0, got {self.token_cost}")
+        kind = "cuda" if self.device.type == "cuda" else "cpu"
+        self.token_cost = (DEFAULT_TOKEN_COST[kind] if config.speculative_token_cost is None
+                           else config.speculative_token_cost)
+        self.step_cost = DEFAULT_STEP_COST[kind] if config.speculative_step_cost is None else config.speculative_step_cost
+        if min(self.token_cost, self.step_cost) < 0:
+            raise ValueError("--speculative-token-cost and --speculative-step-cost must be at least 0")
+        # A request the rule leaves out checks one proposal this often: at most PROBE_SHARE of the time.
+        self.probe_interval = max(1, math.ceil((self.step_cost + self.token_cost) / PROBE_SHARE))
         self.proposed_tokens = 0  # proposals verified
         self.accepted_tokens = 0  # of those, kept
         self.verify_rows = 0  # verification chunks run: each emits 1 + its kept proposals
@@ -109,8 +118,8 @@ class SpeculativeEngine(PrefixCachingEngine):
 
     def describe_speculation(self) -> str:
         return (f"speculation: up to {self.config.speculative_tokens} {self.config.speculative_method} proposals "
-                f"per decoder, checked while their chance of being kept pays for a token costing "
-                f"{self.token_cost:g} of a step")
+                f"per decoder, checked where they pay for what they cost: {self.step_cost:g} of a decode step for "
+                f"a step that verifies, {self.token_cost:g} for each token")
 
     # ----- scheduling: proposals in what the step leaves -----------------------------------------------------
 
@@ -142,24 +151,27 @@ class SpeculativeEngine(PrefixCachingEngine):
     # The rule, on its own so that the step's economics read in a few lines (exercise 11-proposal-counts).
     def proposal_counts(self, decoders: list[SpeculativeRequest], limits: list[int], step_tokens: int) -> list[int]:
         """How many proposals to check for each decoder (at most `limits[i]`) in a step that already computes
-        `step_tokens` tokens. A step of T tokens costs 1 + T * c (c: `token_cost`) and emits E tokens, one per
-        decoder plus the proposals kept. A decoder's j-th proposal is kept with chance a^j (a: its
-        `acceptance`); adding it raises E / cost only if a^j > E * c / (1 + T * c). Proposals are taken most
-        likely first while they pass, and while the token budget lasts; a decoder that got none for
-        PROBE_EVERY steps checks one anyway, so that its estimate can recover."""
+        `step_tokens` tokens. A decoder's j-th proposal is kept with chance a^j (a: its `acceptance`), so n
+        proposals, the most likely first, add their chances to the step's tokens: E = decoders + the sum. The
+        step costs 1 + c x tokens, and s more if it verifies (c: `token_cost`, s: `step_cost`). Take the n that
+        gives the most tokens per cost, 0 if none beats the plain step; stop at the token limit. A decoder left
+        out for `probe_interval` steps checks one proposal anyway, so that its estimate can recover."""
+        c, s = self.token_cost, self.step_cost
+        room = max(0, self.speculation_token_limit() - step_tokens)
+        chances = sorted(((r.acceptance**j, i) for i, r in enumerate(decoders) for j in range(1, limits[i] + 1)),
+                         key=lambda chance_and_row: -chance_and_row[0])[:room]
+        expected, best, best_rate = float(len(decoders)), 0, len(decoders) / (1 + c * step_tokens)
+        for n, (chance, _) in enumerate(chances, start=1):
+            expected += chance
+            rate = expected / (1 + s + c * (step_tokens + n))
+            if rate > best_rate:
+                best, best_rate = n, rate
         counts = [0] * len(decoders)
-        expected, tokens = float(len(decoders)), step_tokens
-        candidates = sorted(((r.acceptance**j, i) for i, r in enumerate(decoders) for j in range(1, limits[i] + 1)),
-                            key=lambda chance_and_row: -chance_and_row[0])
-        for chance, i in candidates:
-            if tokens >= self.speculation_token_limit() or chance <= expected * self.token_cost / (1 + tokens * self.token_cost):
-                break
+        for _, i in chances[:best]:
             counts[i] += 1
-            expected, tokens = expected + chance, tokens + 1
         for i, request in enumerate(decoders):
-            probe = not counts[i] and limits[i] and request.steps_unchecked >= PROBE_EVERY
-            if probe and tokens < self.speculation_token_limit():
-                counts[i], tokens = 1, tokens + 1
+            if not counts[i] and limits[i] and request.steps_unchecked >= self.probe_interval and best < room:
+                counts[i], best = 1, best + 1
         return counts
 
     def speculation_token_limit(self) -> int:

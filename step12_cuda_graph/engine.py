@@ -56,9 +56,7 @@ class CudaGraphEngine(SpeculativeEngine):
                                          capture=self.eager_reason is None)
         self.verify_graphs: VerifyStepGraphs | None = None
         if self.mixed is not None and self.proposer is not None:
-            self.verify_graphs = VerifyStepGraphs(self.model, self.cache, self.backend, self.max_model_len,
-                                                  self.dummy_block, self.verify_max_tokens(config),
-                                                  config.max_num_seqs, capture=self.eager_reason is None)
+            self.verify_graphs = self.build_verify_graphs(config)
         print(f"[{type(self).__name__}] decode: {self.graph_status()}", flush=True)  # said at start-up
 
     def backend_classes(self, config: CudaGraphEngineConfig) -> dict[str, type[AttentionBackend]]:
@@ -73,6 +71,12 @@ class CudaGraphEngine(SpeculativeEngine):
         return DecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
                             self.max_graph_batch(config), capture=self.eager_reason is None,
                             inputs_class=self.decode_inputs_class)
+
+    def build_verify_graphs(self, config: CudaGraphEngineConfig) -> VerifyStepGraphs:
+        """Step 11's verification steps on static buffers (a method, as `build_graphs`: step 13 fuses them)."""
+        return VerifyStepGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
+                                self.verify_max_tokens(config), config.max_num_seqs,
+                                capture=self.eager_reason is None)
 
     def verify_max_tokens(self, config: CudaGraphEngineConfig) -> int:
         return min(VERIFY_MAX_TOKENS, self.worst_step_tokens(config))

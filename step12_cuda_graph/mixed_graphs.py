@@ -216,9 +216,12 @@ class MixedStepGraphs:
             block_size=s.block_size,
         )
         ntiles = max_tiles(tokens, rows)
-        context = MixedGraphForward(self.cache, self.backend, meta, s.positions[:tokens], s.tile_request[:ntiles],
-                                    s.tile_index[:ntiles])
+        context = self.context(meta, s.positions[:tokens], s.tile_request[:ntiles], s.tile_index[:ntiles])
         self.write_outputs(self.model(s.input_ids[:tokens], context), tokens, rows, sampled)
+
+    def context(self, meta: AttentionMetadata, positions: torch.Tensor, tile_request: torch.Tensor,
+                tile_index: torch.Tensor) -> MixedGraphForward:
+        return MixedGraphForward(self.cache, self.backend, meta, positions, tile_request, tile_index)
 
     def write_outputs(self, hidden: torch.Tensor, tokens: int, rows: int, sampled: bool) -> None:
         """A token per row, from the logits at its last token, into the static `self.tokens`."""

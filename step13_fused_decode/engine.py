@@ -20,6 +20,7 @@ from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend, AttentionMetadata, require_triton_device
 from step12_cuda_graph.decode_graphs import DecodeGraphs, StaticDecodeInputs
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
+from step12_cuda_graph.verify_graphs import VerifyStepGraphs
 
 
 @dataclass
@@ -60,6 +61,18 @@ class FusedDecodeGraphs(DecodeGraphs):
         skinny = ", skinny matrix multiplies" if self.skinny_matmul else ""
         pdl = ", launched with programmatic dependent launch" if self.pdl else ""
         return f"{super().describe()}; fused ops: packed projections{skinny}, fused element-wise kernels{pdl}"
+
+
+class FusedVerifyGraphs(VerifyStepGraphs):
+    """Step 12's verification graphs over the decode graphs' fused twin of the model: a verification row of
+    k + 1 tokens is small enough for the skinny multiply and the fused element-wise kernels too."""
+
+    def context(self, meta: AttentionMetadata, positions: torch.Tensor, tile_request: torch.Tensor,
+                tile_index: torch.Tensor):  # noqa: ANN201
+        from step13_fused_decode.fused_forward import FusedMixedForward
+
+        return FusedMixedForward(self.cache, self.backend, meta, positions, tile_request, tile_index,
+                                 self.model.pdl)
 
 
 class FusedDecodeEngine(CudaGraphEngine):
@@ -103,3 +116,10 @@ class FusedDecodeEngine(CudaGraphEngine):
         return FusedDecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
                                  self.max_graph_batch(config), capture=self.eager_reason is None,
                                  inputs_class=self.decode_inputs_class, skinny_matmul=skinny_matmul, pdl=pdl)
+
+    def build_verify_graphs(self, config: FusedDecodeEngineConfig) -> VerifyStepGraphs:
+        if not isinstance(self.graphs, FusedDecodeGraphs):
+            return super().build_verify_graphs(config)  # --no-fused-ops: step 12's, over the plain model
+        return FusedVerifyGraphs(self.graphs.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
+                                 self.verify_max_tokens(config), config.max_num_seqs,
+                                 capture=self.eager_reason is None)

@@ -31,6 +31,7 @@ from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend, AttentionMetadata
 from step06_paged_attention.engine import PagedAttentionForward
 from step06_paged_attention.triton_kernels import MERGE_IN_KERNEL_MAX_SPLITS
+from step12_cuda_graph.mixed_graphs import MixedGraphForward
 from step13_fused_decode import fused_kernels
 from step13_fused_decode.packed_projections import PackedLinear, PackedProjections, PreparedNorm
 
@@ -57,6 +58,26 @@ class FusedDecodeForward(PagedAttentionForward):
         q = fused_kernels.rotate_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, self.meta.slot_mapping,
                                               pdl=self.pdl, decode_early=splits <= MERGE_IN_KERNEL_MAX_SPLITS)
         return self.backend.decode(q, k_cache, v_cache, self.meta)
+
+
+class FusedMixedForward(MixedGraphForward):
+    """Step 12's mixed-step context (the prefill kernel over a tile list, for graphs), with RoPE and the KV write
+    in one kernel as in `FusedDecodeForward`: what step 11's verification rows run with."""
+
+    def __init__(self, cache: PagedKVCache, backend: AttentionBackend, meta: AttentionMetadata,
+                 positions: torch.Tensor, tile_request: torch.Tensor, tile_index: torch.Tensor,
+                 pdl: bool = False) -> None:
+        super().__init__(cache, backend, meta, positions, tile_request, tile_index)
+        self.pdl = pdl
+
+    def rotate_and_attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not self.backend.capturable_prefill:
+            return self.attend(layer_idx, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        k_cache, v_cache = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        q = fused_kernels.rotate_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, self.meta.slot_mapping,
+                                              pdl=self.pdl, decode_early=False)
+        return self.backend.prefill_tiles(q, k_cache, v_cache, self.meta, self.tile_request, self.tile_index)
 
 
 def norm_input(x: PreparedNorm, norm: RMSNorm, pdl: bool) -> tuple[torch.Tensor, PreparedNorm | None]:

@@ -12,7 +12,7 @@ from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams, SamplingTensors, sample_rows
 from step01_serial.engine import SerialEngine
 from step11_speculative_decoding import verify
-from step11_speculative_decoding.engine import PROBE_EVERY, SpeculativeEngine, SpeculativeEngineConfig
+from step11_speculative_decoding.engine import SpeculativeEngine, SpeculativeEngineConfig
 from step11_speculative_decoding.oracle import OracleProposer
 from step11_speculative_decoding.proposers import NgramProposer
 from step11_speculative_decoding.verify import accept_greedy, rejection_sample, target_probabilities
@@ -244,8 +244,9 @@ def test_the_benchmark_runs_and_finds_the_same_tokens(tmp_path) -> None:  # noqa
 # ----- the rule: how many proposals a step checks -------------------------------------------------------------
 
 
-def rule_engine(cost: float, budget: int = 512) -> SpeculativeEngine:
-    return speculative(load_model("tiny-llama"), 8, speculative_token_cost=cost, max_num_batched_tokens=budget)
+def rule_engine(cost: float, budget: int = 512, step_cost: float = 0.0) -> SpeculativeEngine:
+    return speculative(load_model("tiny-llama"), 8, speculative_token_cost=cost, speculative_step_cost=step_cost,
+                       max_num_batched_tokens=budget)
 
 
 def decoders_with(engine: SpeculativeEngine, acceptances: list[float], unchecked: int = 0) -> list:  # noqa: ANN001
@@ -269,12 +270,20 @@ def test_the_rule_checks_proposals_that_pay(acceptances: list[float], cost: floa
     assert engine.proposal_counts(decoders_with(engine, acceptances), [8] * len(acceptances), len(acceptances)) == expected
 
 
+@pytest.mark.parametrize("acceptance, expected", [(0.9, [4]), (0.5, [0])])
+def test_a_step_that_verifies_must_pay_for_leaving_the_decode_path(acceptance: float, expected: list[int]) -> None:
+    """A step that verifies costs twice a decode step (step cost 1, token cost 0.01, k = 4). 0.9: 1 + 0.9 + 0.81 +
+    0.73 + 0.66 = 4.1 tokens for 2.05; 0.5: 1.94 tokens for 2.05, less than the plain step's 1 for 1.01."""
+    engine = rule_engine(0.01, step_cost=1.0)
+    assert engine.proposal_counts(decoders_with(engine, [acceptance]), [4], 1) == expected
+
+
 def test_the_rule_stops_at_the_budget_and_probes_the_left_out() -> None:
     engine = rule_engine(0.0, budget=5)
     # Three tokens left: 0.9, 0.9, then 0.81, the most likely proposals first, whoever's they are.
     assert engine.proposal_counts(decoders_with(engine, [0.9, 0.9]), [8, 8], 2) == [2, 1]
     probing = rule_engine(0.005)
-    left_out = decoders_with(probing, [0.0, 0.0], unchecked=PROBE_EVERY)
+    left_out = decoders_with(probing, [0.0, 0.0], unchecked=probing.probe_interval)
     assert probing.proposal_counts(left_out, [8, 0], 2) == [1, 0]  # one proposal, where there is one
 
 
@@ -288,5 +297,7 @@ def test_a_request_whose_proposals_fail_stops_speculating_but_still_probes() -> 
     engine.proposer = oracle(4, prompts, expected, 0.0, tiny)
     assert CheckedRun(engine).run(prompts, params) == expected
     assert engine.accepted_tokens == 0
-    # 0.5 falls below 0.1 after 8 rejections (0.5 x 0.8^8 = 0.08); then one probe every PROBE_EVERY + 1 steps.
-    assert 8 <= engine.verify_rows <= 8 + 60 // PROBE_EVERY
+    # At 0.1 a token, a proposal pays while a > 0.09: 0.5 x 0.8^n falls below after 8 rejections; then a probe
+    # every probe_interval + 1 steps (5 + 1 here).
+    assert engine.probe_interval == 5
+    assert 8 <= engine.verify_rows <= 8 + 60 // engine.probe_interval

@@ -14,7 +14,8 @@ from step11_speculative_decoding.oracle import OracleProposer
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
 from step12_cuda_graph.verify_graphs import VERIFY_MAX_TOKENS, verify_token_buckets
 from step14_overlap_scheduling.engine import OverlapSchedulingEngine, OverlapSchedulingEngineConfig
-from tests.helpers import CheckedRun, assert_nothing_left, step01_tokens, tight_pool_case
+from tests.helpers import (CheckedRun, assert_nothing_left, in_vocab, step01_tokens, tight_pool_case,
+                           tiny_with_small_vocab)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -27,7 +28,7 @@ def test_verification_buckets_are_small() -> None:
 def graph_engine(loaded: LoadedModel, k: int, **config: object) -> CudaGraphEngine:
     return CudaGraphEngine(loaded, CudaGraphEngineConfig(
         device=DEVICE, attn="torch" if DEVICE == "cpu" else "triton", mixed_graphs=True, speculative_tokens=k,
-        speculative_token_cost=0.0, **config))
+        speculative_token_cost=0.0, speculative_step_cost=0.0, **config))
 
 
 def counting_runs(engine: CudaGraphEngine) -> list[int]:
@@ -94,3 +95,22 @@ def test_overlap_comes_back_once_proposals_stop_paying() -> None:
     assert CheckedRun(engine).run(prompts, params) == expected
     assert engine.accepted_tokens == 0 and engine.verify_rows > 0
     assert engine.steps_launched_ahead > 30
+
+
+def test_step13_fuses_the_verification_rows_too() -> None:
+    """Step 13's verification graphs run the fused twin of the model (packed projections, fused element-wise
+    kernels, RoPE and the KV write in one kernel) over step 12's tile list: the same tokens as step 01. On a
+    CPU the kernels run in Triton's interpreter, on small shapes."""
+    from step13_fused_decode.engine import FusedDecodeEngine, FusedDecodeEngineConfig, FusedVerifyGraphs
+
+    tiny = tiny_with_small_vocab("tiny-qwen3", DEVICE)
+    prompts = [in_vocab(tiny.tokenizer.apply_chat_template(p)) for p in PARITY_PROMPTS[:3]]
+    params = SamplingParams(max_tokens=12)
+    engine = FusedDecodeEngine(tiny, FusedDecodeEngineConfig(
+        device=DEVICE, attn="triton", block_size=16, fused_ops=True, mixed_graphs=True, max_num_seqs=4,
+        max_model_len=512, max_num_batched_tokens=24, speculative_tokens=3, speculative_token_cost=0.0,
+        speculative_step_cost=0.0))
+    assert isinstance(engine.verify_graphs, FusedVerifyGraphs)
+    runs = counting_runs(engine)
+    assert CheckedRun(engine).run(prompts, params, arrive_every=3) == step01_tokens(tiny, prompts, params)
+    assert runs and engine.accepted_tokens > 0
