@@ -89,7 +89,7 @@ def test_overlap_comes_back_once_proposals_stop_paying() -> None:
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:2]]
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     expected = step01_tokens(tiny, prompts, params)
-    engine = overlap_engine(tiny, 4, block_size=4, speculative_token_cost=0.1)
+    engine = overlap_engine(tiny, 4, block_size=4, speculative_token_cost=0.005, speculative_step_cost=0.3)  # a GPU's
     engine.proposer = OracleProposer(4, {tuple(p): c for p, c in zip(prompts, expected, strict=True)}, 0.0,
                                      tiny.model.config.vocab_size)
     assert CheckedRun(engine).run(prompts, params) == expected
