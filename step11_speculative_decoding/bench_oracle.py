@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--token-cost", type=float, default=None, help="--speculative-token-cost (default: the engine's)")
+    p.add_argument("--step-cost", type=float, default=None,
+                   help="--speculative-step-cost (default: the engine's); both costs 0: every step verifies, "
+                        "which measures what a verification step costs")
     p.add_argument("--output", default=None)
     return p
 
@@ -79,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(err)
     cls = engine_class(args.step)
     engine = cls(loaded, cls.config_class(device=args.device, speculative_tokens=max(ks),
-                                          speculative_token_cost=args.token_cost))
+                                          speculative_token_cost=args.token_cost,
+                                          speculative_step_cost=args.step_cost))
     vocab = loaded.model.config.vocab_size
     decode_batch(engine, fixed_workload(2, args.prompt_len, 8).prompts, 8)  # warm-up
     rows: list[dict[str, Any]] = []
@@ -113,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = evidence_header(loaded.model.device, args.model, loaded.model.dtype,
                              settings={"step": args.step, "batch_sizes": batches, "ks": ks, "acceptances": acceptances,
                                        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-                                       "token_cost": engine.token_cost})
+                                       "token_cost": engine.token_cost, "step_cost": engine.step_cost})
     write_json(args.output or default_output("step11_speculative_decoding", "oracle", args.device, args.model),
                header | {"runs": rows})
     return 0
