@@ -24,18 +24,19 @@ import torch
 from common.loading import LoadedModel
 from common.request import RequestOutput
 from common.sampling import SamplingTensors
+from step02_paged_kv.kv_cache import PagedKVCache
 from step09_chunked_prefill.engine import Chunk
 from step10_prefix_caching.engine import PrefixCachedRequest, PrefixCachingEngine, PrefixCachingEngineConfig
 from step11_speculative_decoding.proposers import NgramProposer, Proposal, Proposer
 from step11_speculative_decoding.verify import accept_greedy, rejection_sample, target_probabilities
 
 # What speculation costs a step, in decode steps (a step of T tokens costs 1 + T x token cost):
-# - a token more: about the device's memory bandwidth over its arithmetic rate (an H200: 4.8 TB/s against about
-#   990 TFLOP/s in bf16); on the 2-core CPU of the lesson a 5-token row costs 1.1x to 1.5x a 1-token one;
-# - a step that verifies at all: on a GPU it leaves the decode graph for a verification graph and waits for its
-#   tokens before laying out the next step (no overlap); on a CPU both are the same eager forward.
-# The lesson's table measures both (`bench_oracle.py --token-cost 0`).
-DEFAULT_TOKEN_COST = {"cuda": 0.005, "cpu": 0.1}
+# - a step that verifies at all: on a GPU it leaves the decode graph for a verification graph, and the next step
+#   waits for its tokens (no overlap); on a CPU both are the same eager forward;
+# - a token more: on the H200, a 7B model's verification steps cost 1.25x (batch 1) to 1.5x (batch 64) a decode
+#   step with one token per row, and about 0.003 of one more per token; on the lesson's 2-core CPU a 5-token row
+#   costs 1.1x to 1.5x a 1-token one. The lesson's table measures them (`bench_oracle.py --step-cost 0`).
+DEFAULT_TOKEN_COST = {"cuda": 0.003, "cpu": 0.1}
 DEFAULT_STEP_COST = {"cuda": 0.3, "cpu": 0.0}
 ACCEPTANCE_WEIGHT = 0.2  # of each new outcome (kept 1, rejected 0) in a request's running acceptance estimate
 PROBE_SHARE = 0.02  # of the time, at most, spent checking one proposal of requests the rule leaves out
@@ -83,6 +84,7 @@ class SpeculativeEngine(PrefixCachingEngine):
     request_class = SpeculativeRequest
 
     def __init__(self, loaded: LoadedModel, config: SpeculativeEngineConfig) -> None:
+        self.draft: LoadedModel | None = None  # --speculative-method draft: loaded before the pool is sized
         super().__init__(loaded, config)
         self.check_speculation(config)
         self.proposer: Proposer | None = self.create_proposer(config) if config.speculative_tokens else None
@@ -109,12 +111,24 @@ class SpeculativeEngine(PrefixCachingEngine):
         if config.draft_model is not None and config.speculative_method != "draft":
             raise ValueError("--draft-model is used only with --speculative-method draft: add that, or drop the model")
 
+    def blocks_in_budget(self, config: SpeculativeEngineConfig) -> int:
+        """Step 09's budget, shared with a draft model: its weights are loaded first (the free memory measured is
+        what they leave), and its pool has as many blocks as ours, so each block of the budget pays for both."""
+        if config.speculative_method != "draft" or not config.speculative_tokens:
+            return super().blocks_in_budget(config)
+        from step11_speculative_decoding.draft import load_draft  # loads a second model
+
+        self.draft = load_draft(config, self.device, self.model.dtype)
+        ours = PagedKVCache.bytes_per_block(self.model.config, config.block_size, self.model.dtype)
+        theirs = PagedKVCache.bytes_per_block(self.draft.model.config, config.block_size, self.model.dtype)
+        return max(1, super().blocks_in_budget(config) * ours // (ours + theirs))
+
     def create_proposer(self, config: SpeculativeEngineConfig) -> Proposer:
         if config.speculative_method == "ngram":
             return NgramProposer(config.speculative_tokens)
-        from step11_speculative_decoding.draft import DraftProposer  # loads a second model
+        from step11_speculative_decoding.draft import DraftProposer  # loads a second model, if not loaded yet
 
-        return DraftProposer.create(self, config)
+        return DraftProposer.create(self, config, self.draft)
 
     def describe_speculation(self) -> str:
         return (f"speculation: up to {self.config.speculative_tokens} {self.config.speculative_method} proposals "
@@ -139,6 +153,7 @@ class SpeculativeEngine(PrefixCachingEngine):
             if proposal.tokens:
                 verifying.append(VerifyChunk(request, request.num_tokens - 1, 1 + len(proposal.tokens), proposal))
             else:
+                self.proposer.rollback(request)  # no room to check them: the proposer forgets what it ran ahead
                 plain.append(request)
         for request in plain:
             request.steps_unchecked += 1

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # for torch to load (tests/test_cli_flags.py keeps them equal).
     speculation.add_argument("--speculative-token-cost", type=float, default=None,
                              help="what one more token costs, in decode steps, for the rule that decides how many "
-                                  "proposals to check (default 0.1 on a CPU, 0.005 on a GPU)")
+                                  "proposals to check (default 0.1 on a CPU, 0.003 on a GPU)")
     speculation.add_argument("--speculative-step-cost", type=float, default=None,
                              help="what a step that verifies costs more than a decode step, in decode steps "
                                   "(default 0 on a CPU, 0.3 on a GPU; both costs 0: check every proposal)")
