@@ -5,7 +5,8 @@ weights and several tokens per forward pay most). Two workloads:
   code): what n-gram lookup is for;
 - chat: plain questions, whose answers repeat little of the prompt.
 
-For each workload and each `--speculative-tokens` value (0 is speculation off, the baseline), greedy: the
+For each workload and each `--speculative-tokens` value (0 is speculation off, the baseline), under the rule
+that picks which proposals to check, and once more for the largest k with every proposal checked; greedy: the
 output tokens per second, the proposals made and kept, the tokens per verification row, and whether the
 tokens equal the baseline's (they must). Writes JSON evidence (by default
 runs/step11_speculative_decoding/speculative-<device>-<model>.json).
@@ -44,9 +45,10 @@ GROUNDED = [
 WORKLOADS = {"grounded": GROUNDED, "chat": list(PARITY_PROMPTS[:4])}
 
 
-def run_workload(loaded: LoadedModel, prompts: Sequence[str], k: int, args: argparse.Namespace
-                 ) -> tuple[dict[str, Any], list[list[int]]]:
-    engine = SpeculativeEngine(loaded, SpeculativeEngineConfig(device=args.device, speculative_tokens=k))
+def run_workload(loaded: LoadedModel, prompts: Sequence[str], k: int, token_cost: float | None,
+                 args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]]]:
+    engine = SpeculativeEngine(loaded, SpeculativeEngineConfig(device=args.device, speculative_tokens=k,
+                                                               speculative_token_cost=token_cost))
     params = SamplingParams(max_tokens=args.max_tokens)
     ids = [loaded.tokenizer.apply_chat_template(p) for p in prompts]
     engine.generate(ids[:1], SamplingParams(max_tokens=4))  # warm-up
@@ -61,7 +63,8 @@ def run_workload(loaded: LoadedModel, prompts: Sequence[str], k: int, args: argp
         outputs.append(request.output_token_ids)
     elapsed = time.perf_counter() - start
     emitted = sum(len(o) for o in outputs)
-    return {"speculative_tokens": k, "requests": len(ids), "output_tokens": emitted, "elapsed_s": elapsed,
+    return {"speculative_tokens": k, "token_cost": engine.token_cost, "step_cost": engine.step_cost,
+            "requests": len(ids), "output_tokens": emitted, "elapsed_s": elapsed,
             "output_tok_per_s": emitted / elapsed, "steps": steps, "proposed": engine.proposed_tokens,
             "accepted": engine.accepted_tokens, "verify_rows": engine.verify_rows,
             "acceptance_rate": engine.accepted_tokens / engine.proposed_tokens if engine.proposed_tokens else None,
@@ -95,15 +98,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for name in workloads:
         baseline, base_rate = [], 0.0
-        for k in ks:
-            row, outputs = run_workload(loaded, WORKLOADS[name], k, args)
+        # Speculation off, then each k under the rule, then the largest k with every proposal checked (token
+        # cost 0): what the rule saves where proposals fail.
+        for k, token_cost in [(k, None) for k in ks] + [(ks[-1], 0.0)]:
+            row, outputs = run_workload(loaded, WORKLOADS[name], k, token_cost, args)
             if k == 0:
                 baseline, base_rate = outputs, row["output_tok_per_s"]
             row = {"workload": name, **row, "identical_to_off": outputs == baseline,
                    "speedup": row["output_tok_per_s"] / base_rate}
             rows.append(row)
             rate = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}"
-            print(f"[{name}] k={k}: {row['output_tok_per_s']:.1f} tok/s ({row['speedup']:.2f}x), kept {rate} of "
+            rule = " (every proposal checked)" if token_cost == 0 else ""
+            print(f"[{name}] k={k}{rule}: {row['output_tok_per_s']:.1f} tok/s ({row['speedup']:.2f}x), kept {rate} of "
                   f"{row['proposed']} proposals, identical: {row['identical_to_off']}", flush=True)
     header = evidence_header(loaded.model.device, args.model, loaded.model.dtype,
                              settings={"ks": ks, "max_tokens": args.max_tokens, "workloads": workloads})
