@@ -304,6 +304,39 @@ def render_checkpoint_memory(path: str, doc: Doc) -> list[str]:
                     [[doc["check"], f"{weights / 1e9:.2f} GB", f"{peak / 1e9:.2f} GB", f"{peak / weights:.3f}x"]])
 
 
+def render_speculative(path: str, doc: Doc) -> list[str]:
+    """step11_speculative_decoding/bench_speculative.py: per workload and k (0: speculation off), under the rule
+    or with every proposal checked, the proposals kept, tokens per verification row, speed and sameness."""
+    rows = []
+    for run in doc["runs"]:
+        k = run["speculative_tokens"]
+        checked = "off" if k == 0 else ("every proposal" if run["token_cost"] == 0 else "the rule's")
+        kept = "-" if not run["proposed"] else f"{run['accepted']:,} of {run['proposed']:,} ({run['acceptance_rate']:.0%})"
+        per_row = "-" if run["tokens_per_verify_row"] is None else f"{run['tokens_per_verify_row']:.2f}"
+        rows.append([run["workload"], str(k), checked, kept, per_row, f"{run['output_tok_per_s']:.1f}",
+                     f"{run['speedup']:.2f}x", "yes" if run["identical_to_off"] else "NO"])
+    header = ["prompts", "k", "proposals checked", "kept", "tokens per verification", "output tok/s", "vs off",
+              "same tokens"]
+    return markdown(header, rows, text_columns=3)
+
+
+def render_oracle(path: str, doc: Doc) -> list[str]:
+    """step11_speculative_decoding/bench_oracle.py: per batch, k and the oracle's acceptance (k 0: speculation
+    off), a step's time against a decode step's, tokens per verification row and time per output token."""
+    rows, off_ms = [], 0.0
+    for run in doc["runs"]:
+        if run["k"] == 0:
+            off_ms = run["ms_per_step"]
+        per_row = "-" if run["k"] == 0 else f"{run['tokens_per_verify_row']:.2f}"
+        same = "-" if run["k"] == 0 else ("yes" if run["identical_to_off"] else "no")
+        rows.append([str(run["batch"]), str(run["k"]), "-" if run["acceptance"] is None else f"{run['acceptance']:g}",
+                     f"{run['ms_per_step']:.2f} ms", f"{run['ms_per_step'] / off_ms:.2f}x", per_row,
+                     f"{run['time_per_token_vs_off']:.2f}x", same])
+    header = ["batch", "k", "oracle's a", "step", "step vs off", "tokens per verification", "time per token vs off",
+              "same tokens"]
+    return markdown(header, rows, text_columns=0)
+
+
 @dataclass(frozen=True)
 class Renderer:
     kind: str
@@ -330,4 +363,6 @@ RENDERERS = (
     Renderer("overlap", lambda doc: "overlap" in first(doc, "rows"), render_overlap),
     Renderer("host-per-step", lambda doc: "ms_per_step" in first(doc, "rows"), render_host_per_step),
     Renderer("checkpoint-memory", lambda doc: "peak_allocated_bytes" in doc, render_checkpoint_memory),
+    Renderer("speculative", lambda doc: "speculative_tokens" in first(doc, "runs"), render_speculative),
+    Renderer("oracle", lambda doc: "acceptance" in first(doc, "runs"), render_oracle),
 )

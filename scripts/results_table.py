@@ -25,6 +25,8 @@ The kind of a file is read from what it holds (scripts/renderers.py: `RENDERERS`
     overlap               step14_overlap_scheduling/bench_overlap.py: gpu/overlap.json
     host-per-step         step14_overlap_scheduling/bench_host.py: cpu/host-per-step.json
     checkpoint-memory     scripts/check_checkpoint_memory.py: gpu/checkpoint-load-memory-*.json
+    speculative           step11_speculative_decoding/bench_speculative.py: cpu/speculative.json
+    oracle                step11_speculative_decoding/bench_oracle.py: gpu/speculative-*.json
 
 In a README, every table generated here starts with its source line (`<!-- results/....json: ... -->`);
 `--refresh` regenerates each such table in place, as the kind whose header shares the most columns with the

@@ -28,7 +28,8 @@ from step02_paged_kv.kv_cache import PagedKVCache
 from step09_chunked_prefill.engine import Chunk
 from step10_prefix_caching.engine import PrefixCachedRequest, PrefixCachingEngine, PrefixCachingEngineConfig
 from step11_speculative_decoding.proposers import NgramProposer, Proposal, Proposer
-from step11_speculative_decoding.verify import accept_greedy, rejection_sample, target_probabilities
+from step11_speculative_decoding import verify as verification
+from step11_speculative_decoding.verify import rejection_sample, target_probabilities
 
 # What speculation costs a step, in decode steps (a step of T tokens costs 1 + T x token cost):
 # - a step that verifies at all: on a GPU it leaves the decode graph for a verification graph, and the next step
@@ -271,7 +272,7 @@ class SpeculativeEngine(PrefixCachingEngine):
         argmax, sampled_tokens, sampled_counts = argmax.tolist(), sampled_tokens.tolist(), sampled_counts.tolist()
         emitted: list[list[int]] = [[] for _ in chunks]
         for i in greedy:
-            emitted[i] = accept_greedy(chunks[i].proposals, argmax[firsts[i] : firsts[i + 1]])
+            emitted[i] = verification.accept_greedy(chunks[i].proposals, argmax[firsts[i] : firsts[i + 1]])
         for row, i in enumerate(drawn):
             emitted[i] = sampled_tokens[row][: sampled_counts[row]]
         for chunk, tokens in zip(chunks, emitted, strict=True):

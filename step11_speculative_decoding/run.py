@@ -2,10 +2,10 @@
 small draft model) and checked in one forward of k + 1 tokens; the output is plain decoding's.
 
 Examples:
-    .venv/bin/python step11_speculative_decoding/run.py --dry-run --speculative-tokens 4   # tiny models, parity with HF
-    .venv/bin/python step11_speculative_decoding/run.py --speculative-tokens 4              # the embedded model
-    .venv/bin/python step11_speculative_decoding/run.py --speculative-tokens 4 --speculative-method draft \\
-        --draft-model tiny-llama                                                            # a (useless) draft: same tokens
+    .venv/bin/python step11_speculative_decoding/run.py --dry-run                          # tiny models, parity with HF
+    .venv/bin/python step11_speculative_decoding/run.py                                    # the embedded model, k = 4
+    .venv/bin/python step11_speculative_decoding/run.py --speculative-method draft --draft-model tiny-llama
+    .venv/bin/python step11_speculative_decoding/run.py --speculative-tokens 0             # step 10's decoding
     .venv/bin/python step11_speculative_decoding/bench_speculative.py                      # acceptance and speed-up
 """
 
@@ -15,11 +15,13 @@ from common.cli import main
 from step10_prefix_caching.run import add_arguments as add_step10_arguments
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, speculative_tokens: int = 4) -> None:
+    """Step 11's flags; later steps take them with speculation off by default (`speculative_tokens=0`)."""
     add_step10_arguments(parser)
     speculation = parser.add_argument_group("speculative decoding")
-    speculation.add_argument("--speculative-tokens", type=int, default=0,
-                             help="k, the most tokens proposed for a decoder per step (default 0: no speculation)")
+    speculation.add_argument("--speculative-tokens", type=int, default=speculative_tokens,
+                             help=f"k, the most tokens proposed for a decoder per step (default {speculative_tokens}; "
+                                  "0: no speculation)")
     speculation.add_argument("--speculative-method", choices=["ngram", "draft"], default="ngram",
                              help="ngram: the request's last tokens found earlier in its prompt or output (default); "
                                   "draft: a smaller model with the same tokenizer (--draft-model)")

@@ -1,5 +1,5 @@
 """Step 12: decode steps replayed as CUDA graphs per batch bucket, mixed steps per token bucket; the token
-budget, prefix caching, scheduling and preemption are steps 09 and 10's.
+budget, prefix caching, speculation (off unless asked for), scheduling and preemption are steps 09 to 11's.
 
 Examples:
     .venv/bin/python step12_cuda_graph/run.py --dry-run                          # tiny models, parity with HF (eager on CPU)
@@ -11,11 +11,11 @@ Examples:
 import argparse
 
 from common.cli import main
-from step10_prefix_caching.run import add_arguments as add_step10_arguments
+from step11_speculative_decoding.run import add_arguments as add_step11_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_step10_arguments(parser)
+    add_step11_arguments(parser, speculative_tokens=0)  # speculation: --speculative-tokens 4
     graphs = parser.add_argument_group("CUDA graphs")
     graphs.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                         help="replay decode steps as CUDA graphs (default; on CPU the same path runs eagerly)")

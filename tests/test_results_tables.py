@@ -124,6 +124,10 @@ FIGURES = [
      lambda d: (2, "schedule", f"{d['rows'][2]['ms_per_step']['schedule']:.2f} ms")),
     ("checkpoint-memory", "results/gpu/checkpoint-load-memory-qwen2.5-7b.json",
      lambda d: (0, "peak / weights", f"{d['peak_allocated_bytes'] / d['weight_bytes']:.3f}x")),
+    ("speculative", "results/cpu/speculative.json",
+     lambda d: (1, "vs off", f"{d['runs'][1]['speedup']:.2f}x")),
+    ("oracle", f"{GPU}/speculative-verify-step.json",
+     lambda d: (1, "step vs off", f"{d['runs'][1]['ms_per_step'] / d['runs'][0]['ms_per_step']:.2f}x")),
 ]
 
 

@@ -15,7 +15,7 @@ from step11_speculative_decoding import verify
 from step11_speculative_decoding.engine import SpeculativeEngine, SpeculativeEngineConfig
 from step11_speculative_decoding.oracle import OracleProposer
 from step11_speculative_decoding.proposers import NgramProposer
-from step11_speculative_decoding.verify import accept_greedy, rejection_sample, target_probabilities
+from step11_speculative_decoding.verify import rejection_sample, target_probabilities
 from tests.helpers import (PARITY_MAX_TOKENS, CheckedRun, assert_matches_reference, assert_nothing_left, run_checked,
                            step01_tokens, tight_pool_case)
 
@@ -46,7 +46,7 @@ def test_ngram_sizes_are_checked() -> None:
     ([], [4], [4]),
 ])
 def test_greedy_acceptance(proposals: list[int], target: list[int], emitted: list[int]) -> None:
-    assert accept_greedy(proposals, target) == emitted
+    assert verify.accept_greedy(proposals, target) == emitted
 
 
 def test_no_proposal_draws_exactly_what_plain_sampling_draws() -> None:
