@@ -351,9 +351,12 @@ class SpeculativeEngine(PrefixCachingEngine):
     # ----- reports ---------------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
+        rows = self.verify_rows
         return super().stats() | {"speculative_proposed_total": self.proposed_tokens,
                                   "speculative_accepted_total": self.accepted_tokens,
-                                  "speculative_verify_rows_total": self.verify_rows}
+                                  "speculative_verify_rows_total": rows,
+                                  "speculative_acceptance_rate": self.accepted_tokens / max(1, self.proposed_tokens),
+                                  "speculative_tokens_per_verify_row": (rows + self.accepted_tokens) / max(1, rows)}
 
     def memory_report(self) -> str:
         if not self.verify_rows:
