@@ -36,13 +36,18 @@ SMALLEST_TOKEN_BUCKET = 256
 ROW_BUCKETS = (16, 64, 256)  # rows a mixed graph holds, up to the engine's max_num_seqs
 
 
-def mixed_token_buckets(max_tokens: int) -> list[int]:
-    """Token counts that get graphs: 256, 512, 1024, ... below `max_tokens`, and `max_tokens` itself."""
-    sizes, size = [], SMALLEST_TOKEN_BUCKET
-    while size < max_tokens:
+def doubling_buckets(smallest: int, largest: int) -> list[int]:
+    """`smallest`, twice that, and so on below `largest`, then `largest` itself."""
+    sizes, size = [], smallest
+    while size < largest:
         sizes.append(size)
         size *= 2
-    return sizes + [max_tokens]
+    return sizes + [largest]
+
+
+def mixed_token_buckets(max_tokens: int) -> list[int]:
+    """Token counts that get graphs: 256, 512, 1024, ... below `max_tokens`, and `max_tokens` itself."""
+    return doubling_buckets(SMALLEST_TOKEN_BUCKET, max_tokens)
 
 
 def mixed_row_buckets(max_rows: int) -> list[int]:

@@ -17,7 +17,7 @@ import torch
 from common.model import CausalLM
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend
-from step12_cuda_graph.mixed_graphs import MixedChunk, MixedStepGraphs
+from step12_cuda_graph.mixed_graphs import MixedChunk, MixedStepGraphs, doubling_buckets
 
 SMALLEST_VERIFY_BUCKET = 8
 VERIFY_MAX_TOKENS = 512  # the largest verification step replayed; 512 float32 rows of Qwen2.5's logits: 311 MB
@@ -25,11 +25,8 @@ VERIFY_BYTES_PER_LOGIT = 16  # the static logits (4 bytes each) and what the hea
 
 
 def verify_token_buckets(max_tokens: int) -> list[int]:
-    sizes, size = [], SMALLEST_VERIFY_BUCKET
-    while size < max_tokens:
-        sizes.append(size)
-        size *= 2
-    return sizes + [max_tokens]
+    """Token counts that get verification graphs: 8, 16, 32, ... below `max_tokens`, and `max_tokens` itself."""
+    return doubling_buckets(SMALLEST_VERIFY_BUCKET, max_tokens)
 
 
 class VerifyStepGraphs(MixedStepGraphs):
