@@ -237,8 +237,9 @@ def test_the_benchmark_runs_and_finds_the_same_tokens(tmp_path) -> None:  # noqa
     assert bench_speculative.main(["--model", "tiny-llama", "--ks", "4", "--max-tokens", "16", "--workloads", "chat",
                                    "--output", str(out)]) == 0
     runs = json.loads(out.read_text(encoding="utf-8"))["runs"]
-    assert [r["speculative_tokens"] for r in runs] == [0, 4]
-    assert all(r["identical_to_off"] for r in runs) and runs[1]["accepted"] > 0
+    # Off, k = 4 under the rule, k = 4 with every proposal checked.
+    assert [(r["speculative_tokens"], r["token_cost"] == 0) for r in runs] == [(0, False), (4, False), (4, True)]
+    assert all(r["identical_to_off"] for r in runs) and runs[2]["accepted"] > 0
 
 
 # ----- the rule: how many proposals a step checks -------------------------------------------------------------
