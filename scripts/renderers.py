@@ -320,20 +320,29 @@ def render_speculative(path: str, doc: Doc) -> list[str]:
     return markdown(header, rows, text_columns=3)
 
 
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a verification row of k proposals emits when each is kept with chance a: 1 + a + ... + a^k."""
+    return sum(a**j for j in range(k + 1))
+
+
 def render_oracle(path: str, doc: Doc) -> list[str]:
     """step11_speculative_decoding/bench_oracle.py: per batch, k and the oracle's acceptance (k 0: speculation
-    off), a step's time against a decode step's, tokens per verification row and time per output token."""
+    off), a step's time against a decode step's, tokens per verification row as measured and as expected,
+    E = 1 + a + ... + a^k, and time per output token as measured and as expected (the step's cost over E)."""
     rows, off_ms = [], 0.0
     for run in doc["runs"]:
-        if run["k"] == 0:
+        k, a = run["k"], run["acceptance"]
+        if k == 0:
             off_ms = run["ms_per_step"]
-        per_row = "-" if run["k"] == 0 else f"{run['tokens_per_verify_row']:.2f}"
-        same = "-" if run["k"] == 0 else ("yes" if run["identical_to_off"] else "no")
-        rows.append([str(run["batch"]), str(run["k"]), "-" if run["acceptance"] is None else f"{run['acceptance']:g}",
-                     f"{run['ms_per_step']:.2f} ms", f"{run['ms_per_step'] / off_ms:.2f}x", per_row,
-                     f"{run['time_per_token_vs_off']:.2f}x", same])
-    header = ["batch", "k", "oracle's a", "step", "step vs off", "tokens per verification", "time per token vs off",
-              "same tokens"]
+            rows.append([str(run["batch"]), "0", "-", f"{off_ms:.2f} ms", "1.00x", "-", "-", "1.00x", "-", "-"])
+            continue
+        step = run["ms_per_step"] / off_ms
+        rows.append([str(run["batch"]), str(k), f"{a:g}", f"{run['ms_per_step']:.2f} ms", f"{step:.2f}x",
+                     f"{run['tokens_per_verify_row']:.2f}", f"{expected_tokens(a, k):.2f}",
+                     f"{run['time_per_token_vs_off']:.2f}x", f"{step / expected_tokens(a, k):.2f}x",
+                     "yes" if run["identical_to_off"] else "no"])
+    header = ["batch", "k", "oracle's a", "step", "step vs off", "tokens per verification", "expected (E)",
+              "time per token vs off", "expected (step / E)", "same tokens"]
     return markdown(header, rows, text_columns=0)
 
 
