@@ -2,8 +2,9 @@
 weights: the GPU benchmarks' random:qwen2.5-7b). Each request is first decoded without speculation, which is
 the baseline and gives its greedy continuation; then `OracleProposer` proposes that continuation with each
 token wrong with chance 1 - a, for every acceptance a, proposal count k and batch size, in the same engine
-(speculation off is `engine.proposer = None`). Reports time per output token as a ratio of speculation off, the
-proposals checked and kept, tokens per step, and whether the tokens equal the baseline's (they must).
+(speculation off is `engine.proposer = None`). Reports, over the decode phase (once every request has its first
+token), the time per output token as a ratio of speculation off, the ms per step, the proposals checked and kept,
+tokens per verification row, and whether the tokens equal the baseline's (they must).
 
     .venv/bin/python step11_speculative_decoding/bench_oracle.py --model tiny-llama --batch-sizes 1,4 --max-tokens 16
     python step11_speculative_decoding/bench_oracle.py --device cuda --model random:qwen2.5-7b   # the H200 sweep
@@ -30,11 +31,14 @@ SPECULATIVE_STEPS = STEP_NAMES[STEP_NAMES.index("step11_speculative_decoding"):]
 
 
 def decode_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
-    """All prompts added at once, stepped to the end: their tokens, the seconds it took, the steps."""
+    """All prompts added at once, stepped to the end: their tokens, and the seconds and steps it took once every
+    request had its first token (the decode phase: the prefill is the same with speculation or without)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    requests = [engine.requests[engine.add_request(p, params)] for p in prompts]
+    while not all(r.output_token_ids for r in requests):
+        engine.step()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
-    requests = [engine.requests[engine.add_request(p, params)] for p in prompts]
     steps, start = 0, time.perf_counter()
     while engine.has_unfinished():
         engine.step()
