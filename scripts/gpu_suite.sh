@@ -134,16 +134,32 @@ nanovllm() {
 }
 
 speculative() {
-  echo "== step 11 on the GPU: verification steps replayed as graphs give step 01's tokens; the oracle sweep of the final engine"
+  echo "== step 11 on the GPU: verification graphs give step 01's tokens (float32); what a verification step costs; the rule"
   python -m pytest -q -rs -p no:warnings tests/test_step12_verify_graphs.py 2>&1 | tee "$G/pytest-speculative.txt" \
-    || echo "== FAILED: the verification tests on the GPU (pytest-speculative.txt); the sweep runs anyway"
-  # float32: the oracle's continuation must stay the engine's own (bf16 breaks random weights' near-ties one way
-  # in a decode step and another in a verification row). Then in bf16, every proposal checked at every step:
-  # what a verification step costs against a decode step.
-  python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --dtype float32 --batch-sizes 1,8,32,64 \
-    --ks 2,4,8 --acceptances 0,0.5,0.7,0.9 --output "$G/speculative-oracle-fp32.json"
-  python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 1,2,4,8 \
-    --acceptances 1 --token-cost 0 --output "$G/speculative-step-cost.json"
+    || echo "== FAILED: the verification tests on the GPU (pytest-speculative.txt); the benchmarks run anyway"
+  # Every step verifies (both costs 0): a verification step's cost against a decode step's, per batch and k. The
+  # oracle's a is 1, but in bf16 random weights' near-ties part a verification row from a decode step, so the
+  # rows keep fewer than k: the expected time per token is the step's cost over E (checked on the CPU in float32).
+  python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 1,4,8 \
+    --acceptances 1 --token-cost 0 --step-cost 0 --max-tokens 64 --output "$G/speculative-verify-step.json"
+  # The rule with the engine's GPU costs: an always-wrong oracle must cost nothing, a good one must not lose at 64.
+  python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 4 \
+    --acceptances 0,0.9 --max-tokens 64 --output "$G/speculative-bf16-rule.json"
+}
+
+# The final engine with speculation off against an older tree's, in the same call, as ratios: OLD_TREE=runs/tree-old
+# (made with `git archive <commit> | tar -x -C runs/tree-old`, and carried) names the tree to compare with.
+unchanged() {
+  echo "== the final engine, speculation off, against ${OLD_TREE:?set OLD_TREE}: decode at batch 1, 8, 64"
+  local out
+  out="$(cd "$G" && pwd)"
+  for name in head old; do
+    local tree=.
+    [ "$name" = old ] && tree="$OLD_TREE"
+    # PYTHONPATH starts with ".": inside the old tree, its own packages.
+    (cd "$tree" && python step14_overlap_scheduling/run.py --bench "${SEVEN_B[@]}" --no-hf --batch-sizes 1,8,64 \
+      --repeats 3 --bench-output "$out/unchanged-$name.json")
+  done
 }
 
 checkpoint_memory() {
