@@ -148,17 +148,17 @@ speculative() {
 }
 
 # The final engine with speculation off against an older tree's, in the same call, as ratios: OLD_TREE=runs/tree-old
-# (made with `git archive <commit> | tar -x -C runs/tree-old`, and carried) names the tree to compare with.
+# (made with `git archive <commit> | tar -x -C runs/tree-old`, and carried) and OLD_COMMIT=<commit> name it.
 unchanged() {
   echo "== the final engine, speculation off, against ${OLD_TREE:?set OLD_TREE}: decode at batch 1, 8, 64"
   local out
   out="$(cd "$G" && pwd)"
   for name in head old; do
-    local tree=.
-    [ "$name" = old ] && tree="$OLD_TREE"
+    local tree=. commit="${LLM_STEPS_GIT_COMMIT:-}"
+    [ "$name" = old ] && tree="$OLD_TREE" && commit="${OLD_COMMIT:?set OLD_COMMIT to the commit of OLD_TREE}"
     # PYTHONPATH starts with ".": inside the old tree, its own packages.
-    (cd "$tree" && python step14_overlap_scheduling/run.py --bench "${SEVEN_B[@]}" --no-hf --batch-sizes 1,8,64 \
-      --repeats 3 --bench-output "$out/unchanged-$name.json")
+    (cd "$tree" && LLM_STEPS_GIT_COMMIT="$commit" python step14_overlap_scheduling/run.py --bench "${SEVEN_B[@]}" \
+      --no-hf --batch-sizes 1,8,64 --repeats 3 --bench-output "$out/unchanged-$name.json")
   done
 }
 
