@@ -110,3 +110,17 @@ def test_profile_step_finds_our_attention_kernels() -> None:
     names = [kernel.fn.__name__ for kernel in kernels]  # the names the profiler shows
     assert all(category_of(name) == "attention (ours)" for name in names), names
     assert category_of("_rope_and_kv_write_kernel") == "other"  # step 13's fused kernel: not attention
+
+
+def test_bench_oracle_and_its_plot(tmp_path: Path) -> None:
+    from scripts import plot_speculative
+    from step11_speculative_decoding import bench_oracle
+
+    out = tmp_path / "oracle.json"
+    assert bench_oracle.main([*TINY, "--batch-sizes", "1,2", "--ks", "2", "--acceptances", "0,0.9", "--max-tokens", "6",
+                              "--token-cost", "0", "--step-cost", "0", "--output", str(out)]) == 0
+    runs = written(out)["runs"]
+    assert [(r["batch"], r["k"]) for r in runs] == [(1, 0), (1, 2), (1, 2), (2, 0), (2, 2), (2, 2)]
+    assert all(r["identical_to_off"] for r in runs if r["k"])  # float32 on a CPU: the oracle's a is exact
+    assert plot_speculative.main([str(out), "--measured", str(out), "--output", str(tmp_path / "plot.png")]) == 0
+    assert (tmp_path / "plot.png").stat().st_size > 0

@@ -311,7 +311,8 @@ BENCH_SCRIPTS = ["common/cli.py", "compare.py", "step06_paged_attention/kernel_b
                  "step13_fused_decode/profile_step.py", "step13_fused_decode/matmul_bench.py",
                  "step14_overlap_scheduling/bench_host.py", "step09_chunked_prefill/bench_long_prompt.py",
                  "step09_chunked_prefill/bench_burst_serve.py", "step06_paged_attention/prefill_kernel_bench.py",
-                 "step10_prefix_caching/bench_prefix.py"]
+                 "step10_prefix_caching/bench_prefix.py", "step11_speculative_decoding/bench_speculative.py",
+                 "step11_speculative_decoding/bench_oracle.py"]
 
 
 @pytest.mark.parametrize("script", BENCH_SCRIPTS)
