@@ -25,9 +25,9 @@ the backend.) Its pool has the target's block size and as many blocks as the tar
 the draft shares no cached prefix, and where its pool runs short a request simply gets fewer proposals.
 
 Memory. On a GPU the target sizes its pool from the memory its weights leave free: the engine loads the draft
-first and gives each pool the same number of blocks from one budget (`SpeculativeEngine.blocks_in_budget`). The
-draft's first catch-up of a prompt is a whole-prompt forward, outside the target's token budget and its
-measured worst step.
+first and gives each pool the same number of blocks from one budget (`SpeculativeEngine.blocks_in_budget`). A
+step's catch-up computes at most the target's token budget (a long prompt over several steps), so the draft's
+forwards, smaller than the target's and never at the same time, fit in the worst step step 09 set aside.
 """
 
 from __future__ import annotations
@@ -73,9 +73,12 @@ class DraftTable:
 class DraftProposer:
     """Proposes each request's next tokens with a draft model (see the module's docstring)."""
 
-    def __init__(self, runner: PagedAttentionEngine) -> None:
+    def __init__(self, runner: PagedAttentionEngine, catch_up_budget: int) -> None:
         self.runner = runner  # the draft model, its KV pool, allocator and attention backend
         self.model, self.cache, self.allocator = runner.model, runner.cache, runner.allocator
+        # The most tokens one step's catch-up computes, the target's token budget: a long prompt is caught up in
+        # chunks over several steps, as the target prefills it, never in one forward the budget did not measure.
+        self.catch_up_budget = catch_up_budget
 
     @classmethod
     def create(cls, engine: SpeculativeEngine, config: SpeculativeEngineConfig,
@@ -91,7 +94,7 @@ class DraftProposer:
         runner = PagedAttentionEngine(draft, PagedAttentionEngineConfig(
             device=str(engine.device), max_num_seqs=engine.config.max_num_seqs, block_size=engine.cache.block_size,
             num_blocks=engine.allocator.num_blocks, attn=engine.config.attn))
-        return cls(runner)
+        return cls(runner, engine.token_budget)
 
     # ----- how many: what the draft's pool and context hold --------------------------------------------------
 
@@ -118,6 +121,7 @@ class DraftProposer:
     @torch.inference_mode()
     def propose(self, requests: list[SpeculativeRequest], counts: list[int]) -> list[Proposal]:
         counts = [self.reserve_blocks(r, n) for r, n in zip(requests, counts, strict=True)]
+        counts = self.catch_up_in_budget(requests, counts)
         rows = [i for i, n in enumerate(counts) if n]  # the requests still drafting
         if not rows:
             return [Proposal([]) for _ in requests]
@@ -133,6 +137,25 @@ class DraftProposer:
             if count:
                 request.draft_computed = request.num_tokens + count - 1
         return self.collect(requests, drafted)
+
+    def catch_up_in_budget(self, requests: list[SpeculativeRequest], counts: list[int]) -> list[int]:
+        """The counts once the catch-ups fit the budget: requests, in the engine's order, whose unseen tokens fit
+        what is left keep theirs; the first that does not fit computes a chunk of what is left and proposes
+        nothing this step (its blocks go back at the engine's `rollback`), and those after it wait."""
+        left, counts = self.catch_up_budget, list(counts)
+        for i, request in enumerate(requests):
+            behind = request.num_tokens - request.draft_computed
+            if not counts[i] or behind <= left:
+                left -= behind if counts[i] else 0
+                continue
+            counts[i] = 0
+            if left > 0:
+                start = request.draft_computed
+                chunk = Chunk(request, start, left)
+                token_ids = torch.tensor(ChunkedPrefillEngine.chunk_token_ids(chunk), device=self.model.device)
+                self.forward([request], token_ids, [left], [chunk.end])
+                request.draft_computed, left = chunk.end, 0
+        return counts
 
     def catch_up(self, requests: list[SpeculativeRequest]) -> torch.Tensor:
         """One forward over each request's tokens that the draft has not seen, laid end to end; the logits of

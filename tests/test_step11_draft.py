@@ -143,13 +143,21 @@ def test_a_tiny_pool_preempts_and_the_tokens_stay_step01s(preempt: str, draft: s
 
 def test_a_small_budget_and_cached_prefixes() -> None:
     """A budget of 8 leaves little to speculate with; the second wave of the same prompts finds them cached in
-    the target's pool, and the draft (which caches no prefix) catches up on them whole."""
+    the target's pool, and the draft (which caches no prefix) catches up on them 8 tokens a step at most."""
     tiny = load_model("tiny-qwen3")
     prompts, params = chat(tiny, 4), SamplingParams(max_tokens=30)
     engine = drafting(tiny, 4, "tiny-qwen3", max_num_batched_tokens=8)
     expected = step01_tokens(tiny, prompts, params)
+    forward, widest = engine.proposer.forward, []
+
+    def recording_forward(requests, token_ids, q_lens, seq_lens):  # noqa: ANN001, ANN202
+        widest.append(sum(q_lens))
+        return forward(requests, token_ids, q_lens, seq_lens)
+
+    engine.proposer.forward = recording_forward
     assert CheckedRun(engine).run(prompts, params) == expected
     assert CheckedRun(engine).run(prompts, params) == expected
+    assert max(widest) <= 8 < min(len(p) for p in prompts), "a catch-up computed more than the token budget"
     assert engine.hit_tokens > 0 and engine.proposed_tokens > 0 and engine.accepted_tokens == engine.proposed_tokens
     assert_draft_pool_empty(engine)
 
