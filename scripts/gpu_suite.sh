@@ -149,17 +149,32 @@ speculative() {
 
 # The final engine with speculation off against an older tree's, in the same call, as ratios: OLD_TREE=runs/tree-old
 # (made with `git archive <commit> | tar -x -C runs/tree-old`, and carried) and OLD_COMMIT=<commit> name it.
-unchanged() {
-  echo "== the final engine, speculation off, against ${OLD_TREE:?set OLD_TREE}: decode at batch 1, 8, 64"
-  local out
+in_both_trees() {
+  # Runs "$@" (with {out} replaced by the absolute output folder and {name} by head or old) in this tree, then
+  # in OLD_TREE, each named as its own commit: the two measured in the same call, as ratios.
+  local out name tree commit
   out="$(cd "$G" && pwd)"
   for name in head old; do
-    local tree=. commit="${LLM_STEPS_GIT_COMMIT:-}"
-    [ "$name" = old ] && tree="$OLD_TREE" && commit="${OLD_COMMIT:?set OLD_COMMIT to the commit of OLD_TREE}"
+    tree=. commit="${LLM_STEPS_GIT_COMMIT:-}"
+    [ "$name" = old ] && tree="${OLD_TREE:?set OLD_TREE}" && commit="${OLD_COMMIT:?set OLD_COMMIT to the commit of OLD_TREE}"
+    local args=("${@//\{out\}/$out}")
     # PYTHONPATH starts with ".": inside the old tree, its own packages.
-    (cd "$tree" && LLM_STEPS_GIT_COMMIT="$commit" python step14_overlap_scheduling/run.py --bench "${SEVEN_B[@]}" \
-      --no-hf --batch-sizes 1,8,64 --repeats 3 --bench-output "$out/unchanged-$name.json")
+    (cd "$tree" && LLM_STEPS_GIT_COMMIT="$commit" "${args[@]//\{name\}/$name}")
   done
+}
+
+unchanged() {
+  echo "== the final engine, speculation off, against OLD_TREE: decode at batch 1, 8, 64"
+  in_both_trees python step14_overlap_scheduling/run.py --bench "${SEVEN_B[@]}" --no-hf --batch-sizes 1,8,64 \
+    --repeats 3 --bench-output "{out}/unchanged-decode-{name}.json"
+}
+
+unchanged_workloads() {
+  echo "== the final engine, speculation off, against OLD_TREE: the stall at its default budget, the 256-sequence workload"
+  in_both_trees python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" --scenarios stall --decoders 32 \
+    --long-prompt-len 16000 --step step14_overlap_scheduling --budgets default --output "{out}/unchanged-stall-{name}.json"
+  in_both_trees python step14_overlap_scheduling/run.py --bench --workload nanovllm --model random:qwen3-0.6b \
+    --device cuda --no-hf --bench-output "{out}/unchanged-nanovllm-{name}.json"
 }
 
 checkpoint_memory() {
