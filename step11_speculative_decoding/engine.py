@@ -261,6 +261,21 @@ class SpeculativeEngine(PrefixCachingEngine):
         sampled = iter(self.sample(logits[other_rows], [c.request for c in others]) if others else [])
         return [next(verified) if isinstance(c, VerifyChunk) else [next(sampled)] for c in chunks if c.samples]
 
+    def tokens_from_argmax(self, chunks: list[Chunk], argmax: torch.Tensor) -> list[list[int]]:
+        """`tokens_from_logits` for a step whose every sampling chunk is greedy, from each logit row's argmax
+        alone (step 12's graphs find it without writing the logits)."""
+        best, emitted, row = argmax.tolist(), [], 0
+        for chunk in chunks:
+            if isinstance(chunk, VerifyChunk):
+                tokens = verification.accept_greedy(chunk.proposals, best[row : row + chunk.num_tokens])
+                self.record_outcome(chunk.request, len(chunk.proposals), len(tokens) - 1)
+                emitted.append(tokens)
+                row += chunk.num_tokens
+            elif chunk.samples:
+                emitted.append([best[row]])
+                row += 1
+        return emitted
+
     def verify(self, chunks: list[VerifyChunk], logits: torch.Tensor) -> list[list[int]]:
         """The tokens each verification chunk emits, from the target's logits at its 1 + k positions (the
         chunks' rows laid end to end in `logits`), with one wait for the device for all of them."""

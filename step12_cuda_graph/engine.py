@@ -5,8 +5,8 @@ Against step 11, `CudaGraphEngine` changes how a step runs, not what it computes
   static buffers, and the bucket's captured graph is replayed;
 - a mixed step, decoders and prefill chunks in one forward (`mixed_graphs.py`): its tokens are padded to a
   token bucket, its requests to a row bucket, and that bucket's graph is replayed;
-- a speculative step (`verify_graphs.py`): the same, with smaller token buckets and every verified token's
-  logits out.
+- a speculative step (`verify_graphs.py`): the same, with smaller token buckets and an output at every verified
+  token: its greedy token, or its logits where a row samples.
 The token budget, prefix caching, speculation, scheduling, preemption and priorities are steps 09 to 11's, so requests
 join, leave and get preempted between replays exactly as before. The pool has one block more than the
 allocator hands out: the dummy block, which padded rows and tokens write to and nobody reads.
@@ -166,8 +166,9 @@ class CudaGraphEngine(SpeculativeEngine):
         graphs = self.verify_graphs
         if graphs is None or not graphs.fits(sum(c.num_tokens for c in chunks), len(chunks)):
             return super().compute_verified(chunks)
-        logits = graphs.run([self.mixed_chunk(c) for c in chunks])
-        return self.tokens_from_logits(chunks, logits[self.logit_rows(chunks)])
+        sampled = not all(c.request.params.greedy for c in chunks if c.samples)
+        outputs = graphs.run([self.mixed_chunk(c) for c in chunks], sampled)[self.logit_rows(chunks)]
+        return self.tokens_from_logits(chunks, outputs) if sampled else self.tokens_from_argmax(chunks, outputs)
 
     def memory_report(self) -> str:
         return f"{super().memory_report()}\ndecode: {self.graph_status()}"

@@ -1,11 +1,12 @@
 """Step 11's verification steps replayed as CUDA graphs, per small token bucket.
 
 A speculative step (decoders, verification rows of k + 1 tokens, perhaps a prefill chunk) is step 09's mixed
-step with logits at every token of a verification row rather than at each row's last. Padded to the smallest
+step with an output at every token of a verification row rather than at each row's last. Padded to the smallest
 mixed bucket, 256 tokens, a batch-1 verification of 5 tokens would compute 51 times the tokens it needs; so its
 buckets are small (8, 16, 32, ... up to `VERIFY_MAX_TOKENS`), and the proposals of a step stop there
-(`CudaGraphEngine.speculation_token_limit`). The graph writes every token's logits to a static buffer; the
-engine takes the rows it needs and verifies them as step 11 does, on the host's side of the replay.
+(`CudaGraphEngine.speculation_token_limit`). The graph writes every token's output to a static buffer; the
+engine takes the rows it needs and verifies them as step 11 does, on the host's side of the replay. A step whose
+rows are all greedy needs no logits, only each token's greedy token.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from common.model import CausalLM
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend
+from step12_cuda_graph.decode_graphs import greedy_tokens
 from step12_cuda_graph.mixed_graphs import MixedChunk, MixedStepGraphs, doubling_buckets
 
 SMALLEST_VERIFY_BUCKET = 8
@@ -30,15 +32,17 @@ def verify_token_buckets(max_tokens: int) -> list[int]:
 
 
 class VerifyStepGraphs(MixedStepGraphs):
-    """Step 12's mixed forward with small token buckets and every token's logits out: one graph per token and
-    row bucket (verification itself, greedy or by rejection sampling, runs after the replay)."""
+    """Step 12's mixed forward with small token buckets and every token's output: one graph per token bucket,
+    row bucket and mode. When every row is greedy, each token's greedy token, found as the decode graphs find
+    theirs (`greedy_tokens`), so that a verification row and a decode step break a near-tie alike, and no logits
+    are written; when some row samples, every token's logits, for rejection sampling after the replay."""
 
     name = "verification"
-    sampling_modes = (False,)  # no sampling inside: the logits are the output
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
                  dummy_block: int, max_tokens: int, max_rows: int, capture: bool) -> None:
         self.logits = torch.zeros(max_tokens, model.config.vocab_size, device=model.device)
+        self.greedy = torch.zeros(max_tokens, dtype=torch.long, device=model.device)
         super().__init__(model, cache, backend, max_model_len, dummy_block, max_tokens, max_rows, capture)
 
     @staticmethod
@@ -46,10 +50,18 @@ class VerifyStepGraphs(MixedStepGraphs):
         return verify_token_buckets(max_tokens)
 
     def write_outputs(self, hidden: torch.Tensor, tokens: int, rows: int, sampled: bool) -> None:
-        self.logits[:tokens] = self.model.compute_logits(hidden)
+        if sampled:
+            self.logits[:tokens] = self.model.compute_logits(hidden)
+        else:
+            self.greedy[:tokens] = self.greedy_tokens(hidden)
 
-    def run(self, chunks: Sequence[MixedChunk]) -> torch.Tensor:
-        """Replay (or run eagerly) the step; the logits of its tokens, laid end to end: [tokens, vocab]."""
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As step 12's decode graphs find a greedy token (step 13 overrides both alike)."""
+        return greedy_tokens(self.model, hidden)
+
+    def run(self, chunks: Sequence[MixedChunk], sampled: bool) -> torch.Tensor:
+        """Replay (or run eagerly) the step; its tokens' outputs laid end to end: the logits [tokens, vocab] if
+        `sampled`, else each token's greedy token [tokens]."""
         tokens, rows = self.place(chunks)
-        self.replay(chunks, tokens, rows, sampled=False)
-        return self.logits[: sum(len(c.token_ids) for c in chunks)]
+        self.replay(chunks, tokens, rows, sampled)
+        return (self.logits if sampled else self.greedy)[: sum(len(c.token_ids) for c in chunks)]

@@ -74,6 +74,9 @@ class FusedVerifyGraphs(VerifyStepGraphs):
         return FusedMixedForward(self.cache, self.backend, meta, positions, tile_request, tile_index,
                                  self.model.pdl)
 
+    def greedy_tokens(self, hidden) -> torch.Tensor:  # noqa: ANN001
+        return self.model.greedy_tokens(hidden)  # as the fused decode graphs: the head's argmax, up to 16 rows
+
 
 class FusedDecodeEngine(CudaGraphEngine):
     config_class = FusedDecodeEngineConfig

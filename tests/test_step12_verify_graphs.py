@@ -37,7 +37,7 @@ def counting_runs(engine: CudaGraphEngine) -> list[int]:
     graphs = engine.verify_graphs
     assert graphs is not None
     run = graphs.run
-    graphs.run = lambda chunks: (runs.append(len(chunks)), run(chunks))[1]  # type: ignore[method-assign]
+    graphs.run = lambda chunks, sampled: (runs.append(len(chunks)), run(chunks, sampled))[1]  # type: ignore
     return runs
 
 
@@ -114,3 +114,22 @@ def test_step13_fuses_the_verification_rows_too() -> None:
     runs = counting_runs(engine)
     assert CheckedRun(engine).run(prompts, params, arrive_every=3) == step01_tokens(tiny, prompts, params)
     assert runs and engine.accepted_tokens > 0
+
+
+def test_sampled_verification_on_static_buffers_draws_step11s_tokens() -> None:
+    """Rows that sample take the graphs' logits path (rejection sampling after the replay); seeded, they draw the
+    very tokens step 11's eager forward draws."""
+    from step11_speculative_decoding.engine import SpeculativeEngine, SpeculativeEngineConfig
+
+    tiny = load_model("tiny-qwen3", DEVICE)
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
+    params = SamplingParams(max_tokens=30, temperature=0.1, seed=3)
+    eager = SpeculativeEngine(tiny, SpeculativeEngineConfig(
+        device=DEVICE, attn="torch" if DEVICE == "cpu" else "triton", block_size=4, speculative_tokens=4,
+        speculative_token_cost=0.0))
+    engine = graph_engine(tiny, 4, block_size=4, max_num_seqs=8)
+    runs = counting_runs(engine)
+    expected = [c.token_ids for c in eager.generate(prompts, params)]
+    assert [c.token_ids for c in engine.generate(prompts, params)] == expected
+    assert runs and engine.accepted_tokens > 0
+
