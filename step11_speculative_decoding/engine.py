@@ -34,9 +34,10 @@ from step11_speculative_decoding.verify import rejection_sample, target_probabil
 # What speculation costs a step, in decode steps (a step of T tokens costs 1 + T x token cost):
 # - a step that verifies at all: on a GPU it leaves the decode graph for a verification graph, and the next step
 #   waits for its tokens (no overlap); on a CPU both are the same eager forward;
-# - a token more: on the H200, a 7B model's verification steps cost 1.25x (batch 1) to 1.5x (batch 64) a decode
-#   step with one token per row, and about 0.003 of one more per token; on the lesson's 2-core CPU a 5-token row
-#   costs 1.1x to 1.5x a 1-token one. The lesson's table measures them (`bench_oracle.py --step-cost 0`).
+# - a token more: on the H200, a 7B model's verification steps cost 1.25x (batch 1) to 1.52x (batch 64) a decode
+#   step with one proposal per row, and little more per further token (results/gpu/speculative-verify-step.json);
+#   on the lesson's 2-core CPU, 1.16x with 2 proposals and 1.38x with 4, about a tenth of a step per token
+#   (results/cpu/speculative-oracle.json, batch 1). `bench_oracle.py --token-cost 0 --step-cost 0` measures them.
 DEFAULT_TOKEN_COST = {"cuda": 0.003, "cpu": 0.1}
 DEFAULT_STEP_COST = {"cuda": 0.3, "cpu": 0.0}
 ACCEPTANCE_WEIGHT = 0.2  # of each new outcome (kept 1, rejected 0) in a request's running acceptance estimate
@@ -58,6 +59,10 @@ class SpeculativeRequest(PrefixCachedRequest):
     steps_unchecked: int = 0  # steps it decoded without proposals since its last verification
     draft_table: list[int] = field(default_factory=list)  # the draft model's KV blocks (`DraftProposer`)
     draft_computed: int = 0  # its first tokens whose K/V the draft model holds
+    # `NgramProposer`'s index of its token sequence: each n-gram with a token after it -> its latest start, kept
+    # up to date one new token at a time (`ngram_indexed`: tokens indexed) so a lookup is not a scan of it all.
+    ngram_index: dict[tuple[int, ...], int] = field(default_factory=dict)
+    ngram_indexed: int = 0
 
 
 @dataclass

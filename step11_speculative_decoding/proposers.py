@@ -71,11 +71,28 @@ class NgramProposer:
                     return list(token_ids[j + n : j + n + self.k])
         return []
 
+    def indexed_lookup(self, request: SpeculativeRequest) -> list[int]:
+        """`lookup` on the request's tokens, from its `ngram_index`: a scan of a long sequence every step would
+        cost the host milliseconds per request. The index first takes in the n-grams that have gained a
+        follower since the last call (the latest start of each wins), then answers for the suffix."""
+        tokens, index = request.all_token_ids, request.ngram_index
+        length = len(tokens)
+        for n in range(self.min_n, self.max_n + 1):
+            # Starts s whose n-gram is followed by a token (s + n < length), not indexed at the last call.
+            for start in range(max(0, request.ngram_indexed - n), length - n):
+                index[tuple(tokens[start : start + n])] = start
+        request.ngram_indexed = length
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            start = index.get(tuple(tokens[length - n :]))
+            if start is not None:
+                return tokens[start + n : start + n + self.k]
+        return []
+
     def most(self, request: SpeculativeRequest, limit: int) -> int:
-        return min(limit, len(self.lookup(request.all_token_ids)))
+        return min(limit, len(self.indexed_lookup(request)))
 
     def propose(self, requests: list[SpeculativeRequest], counts: list[int]) -> list[Proposal]:
-        return [Proposal(self.lookup(r.all_token_ids)[:count]) for r, count in zip(requests, counts, strict=True)]
+        return [Proposal(self.indexed_lookup(r)[:count]) for r, count in zip(requests, counts, strict=True)]
 
     def rollback(self, request: SpeculativeRequest) -> None:
         pass  # nothing is kept between steps: each lookup reads the request's tokens afresh

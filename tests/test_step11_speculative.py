@@ -32,6 +32,22 @@ def test_ngram_proposals(tokens: list[int], k: int, expected: list[int]) -> None
     assert NgramProposer(k).lookup(tokens) == expected
 
 
+def test_the_index_answers_as_the_scan_does_as_a_request_grows() -> None:
+    """The engine's lookups go through the request's n-gram index, fed a few tokens at a time: every answer must
+    be the plain scan's, on sequences small enough to repeat themselves."""
+    import random
+
+    from step11_speculative_decoding.engine import SpeculativeRequest
+
+    rng = random.Random(0)
+    proposer = NgramProposer(4)
+    for _ in range(20):
+        request = SpeculativeRequest("r", [rng.randrange(5) for _ in range(3)], SamplingParams(), None, frozenset(), 999)
+        while len(request.output_token_ids) < 60:
+            request.output_token_ids += [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
+            assert proposer.indexed_lookup(request) == proposer.lookup(request.all_token_ids)
+
+
 def test_ngram_sizes_are_checked() -> None:
     with pytest.raises(ValueError, match="--speculative-tokens must be at least 1"):
         NgramProposer(0)
