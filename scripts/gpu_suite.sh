@@ -137,14 +137,15 @@ speculative() {
   echo "== step 11 on the GPU: verification graphs give step 01's tokens (float32); what a verification step costs; the rule"
   python -m pytest -q -rs -p no:warnings tests/test_step12_verify_graphs.py 2>&1 | tee "$G/pytest-speculative.txt" \
     || echo "== FAILED: the verification tests on the GPU (pytest-speculative.txt); the benchmarks run anyway"
-  # Every step verifies (both costs 0): a verification step's cost against a decode step's, per batch and k. The
-  # oracle's a is 1, but in bf16 random weights' near-ties part a verification row from a decode step, so the
-  # rows keep fewer than k: the expected time per token is the step's cost over E (checked on the CPU in float32).
+  # Every step verifies (both costs 0): a verification step's cost against a decode step's, per batch and k, with
+  # every proposal right. In bf16 a verification row breaks random weights' near-ties unlike a decode step, so the
+  # oracle replays the tokens of its own last run until they hold (bench_oracle.py --rounds).
   python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 1,4,8 \
     --acceptances 1 --token-cost 0 --step-cost 0 --max-tokens 64 --output "$G/speculative-verify-step.json"
-  # The rule with the engine's GPU costs: an always-wrong oracle must cost nothing, a good one must not lose at 64.
-  python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 4 \
-    --acceptances 0,0.9 --max-tokens 64 --output "$G/speculative-bf16-rule.json"
+  # The sweep under the rule with the engine's GPU costs: what speculation gains at acceptance a; an always-wrong
+  # oracle must cost nothing, a good one must not lose at batch 64.
+  python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 2,4,8 \
+    --acceptances 0,0.5,0.7,0.9 --max-tokens 64 --output "$G/speculative-sweep.json"
 }
 
 # The final engine with speculation off against an older tree's, in the same call, as ratios: OLD_TREE=runs/tree-old

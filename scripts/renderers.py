@@ -325,24 +325,32 @@ def expected_tokens(a: float, k: int) -> float:
     return sum(a**j for j in range(k + 1))
 
 
+def replays(run: dict) -> str:
+    """Whether the oracle replayed the run's own tokens (its a exact), and after how many runs; older files lack it."""
+    if "oracle_exact" not in run:
+        return "-"
+    return f"{'yes' if run['oracle_exact'] else 'NO'}, run {run['rounds']}"
+
+
 def render_oracle(path: str, doc: Doc) -> list[str]:
     """step11_speculative_decoding/bench_oracle.py: per batch, k and the oracle's acceptance (k 0: speculation
     off), a step's time against a decode step's, tokens per verification row as measured and as expected,
-    E = 1 + a + ... + a^k, and time per output token as measured and as expected (the step's cost over E)."""
+    E = 1 + a + ... + a^k, time per output token as measured and as expected (the step's cost over E), whether the
+    tokens are speculation off's, and whether the oracle's tokens were the run's own (so its a held)."""
     rows, off_ms = [], 0.0
     for run in doc["runs"]:
         k, a = run["k"], run["acceptance"]
         if k == 0:
             off_ms = run["ms_per_step"]
-            rows.append([str(run["batch"]), "0", "-", f"{off_ms:.2f} ms", "1.00x", "-", "-", "1.00x", "-", "-"])
+            rows.append([str(run["batch"]), "0", "-", f"{off_ms:.2f} ms", "1.00x", "-", "-", "1.00x", "-", "-", "-"])
             continue
         step = run["ms_per_step"] / off_ms
         rows.append([str(run["batch"]), str(k), f"{a:g}", f"{run['ms_per_step']:.2f} ms", f"{step:.2f}x",
                      f"{run['tokens_per_verify_row']:.2f}", f"{expected_tokens(a, k):.2f}",
                      f"{run['time_per_token_vs_off']:.2f}x", f"{step / expected_tokens(a, k):.2f}x",
-                     "yes" if run["identical_to_off"] else "no"])
+                     "yes" if run["identical_to_off"] else "no", replays(run)])
     header = ["batch", "k", "oracle's a", "step", "step vs off", "tokens per verification", "expected (E)",
-              "time per token vs off", "expected (step / E)", "same tokens"]
+              "time per token vs off", "expected (step / E)", "same tokens as off", "oracle exact"]
     return markdown(header, rows, text_columns=0)
 
 
