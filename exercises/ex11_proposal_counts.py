@@ -14,18 +14,20 @@ def proposal_counts(self: SpeculativeEngine, decoders: list[SpeculativeRequest],
     """How many proposals to check for each decoder, `counts[i]` at most `limits[i]`.
 
     The step already computes `step_tokens` tokens (one per decoder, and any prefill chunks). Costs, in decode
-    steps: a step of T tokens costs 1 + c * T, and s more if it verifies anything (c: `self.token_cost`, s:
-    `self.step_cost`). Decoder i's j-th proposal is kept with chance a_i ** j, a_i being `decoders[i].acceptance`
-    (its proposals are kept one after another, until the first miss). So with n proposals checked, the step
-    expects E = len(decoders) + (the sum of their chances) tokens.
+    steps: the plain step costs 1 + d * step_tokens; a step that verifies n proposals costs
+    1 + s + c * (step_tokens + n) (d: `self.decode_token_cost`, s: `self.step_cost`, c: `self.token_cost`).
+    Decoder i's j-th proposal is kept with chance a_i ** j, a_i being `decoders[i].acceptance` (its proposals are
+    kept one after another, until the first miss). So with n proposals checked, the step expects
+    E = len(decoders) + (the sum of their chances) tokens.
 
     Rank every candidate proposal (i, j) for j = 1 .. limits[i] by its chance, most likely first, and keep at most
     `self.speculation_token_limit() - step_tokens` of them. Take the n most likely that give the most tokens per
-    cost, E / (1 + s + c * (step_tokens + n)); n = 0 (the plain step, len(decoders) / (1 + c * step_tokens)) wins
+    cost, E / (1 + s + c * (step_tokens + n)); n = 0 (the plain step, len(decoders) / (1 + d * step_tokens)) wins
     ties. Count them per decoder. Then a decoder still at 0, with limits[i] > 0, whose `steps_unchecked` reached
-    `self.probe_interval` gets 1 anyway (its estimate must be able to recover), while the limit allows.
+    `self.probe_interval(len(decoders), step_tokens)` gets 1 anyway (its estimate must be able to recover), while
+    the limit allows.
 
-    Example (c = 0.1, s = 0, one decoder, a = 0.5, limit 8, step_tokens 1): the plain step gives 1 / 1.1 = 0.91;
+    Example (c = d = 0.1, s = 0, one decoder, a = 0.5, limit 8, step_tokens 1): the plain step gives 1 / 1.1 = 0.91;
     one proposal 1.5 / 1.2 = 1.25; two 1.75 / 1.3 = 1.35; three 1.875 / 1.4 = 1.34: two it is, [2].
 
     Hints (step11_speculative_decoding/README.md, "When speculation pays"): sort the (chance, decoder) pairs; a

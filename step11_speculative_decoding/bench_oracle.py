@@ -137,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = evidence_header(loaded.model.device, args.model, loaded.model.dtype,
                              settings={"step": args.step, "batch_sizes": batches, "ks": ks, "acceptances": acceptances,
                                        "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rounds": args.rounds,
-                                       "token_cost": engine.token_cost, "step_cost": engine.step_cost})
+                                       "token_cost": engine.token_cost, "step_cost": engine.step_cost,
+                                       "decode_token_cost": engine.decode_token_cost})
     write_json(args.output or default_output("step11_speculative_decoding", "oracle", args.device, args.model),
                header | {"runs": rows})
     return 0

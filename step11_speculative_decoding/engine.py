@@ -31,15 +31,18 @@ from step11_speculative_decoding.proposers import NgramProposer, Proposal, Propo
 from step11_speculative_decoding import verify as verification
 from step11_speculative_decoding.verify import rejection_sample, target_probabilities
 
-# What speculation costs a step, in decode steps (a step of T tokens costs 1 + T x token cost):
-# - a step that verifies at all: on a GPU it leaves the decode graph for a verification graph, and the next step
-#   waits for its tokens (no overlap); on a CPU both are the same eager forward;
-# - a token more: on the H200, a 7B model's verification steps cost 1.25x (batch 1) to 1.52x (batch 64) a decode
-#   step with one proposal per row, and little more per further token (results/gpu/speculative-verify-step.json);
-#   on the lesson's 2-core CPU, 1.16x with 2 proposals and 1.38x with 4, about a tenth of a step per token
-#   (results/cpu/speculative-oracle.json, batch 1). `bench_oracle.py --token-cost 0 --step-cost 0` measures them.
-DEFAULT_TOKEN_COST = {"cuda": 0.003, "cpu": 0.1}
-DEFAULT_STEP_COST = {"cuda": 0.3, "cpu": 0.0}
+# What a step costs, in decode steps. A plain step of T tokens costs 1 + T x decode token cost; a step that verifies
+# n proposals takes the verification path and costs 1 + step cost + (T + n) x token cost. Measured by
+# `bench_oracle.py --token-cost 0 --step-cost 0` (every step verifies), fitted as a line in the step's tokens:
+# - on the H200 (results/gpu/speculative-verify-step.json, a 7B model): a decode step takes 3.9 ms and 0.015 ms
+#   more per decoder; a verification step 4.7 ms and 0.047 ms per token (its rows run as a prefill of all their
+#   tokens, not through the decode graphs' kernels), so a step that verifies at all costs 0.2 more, and its tokens
+#   0.012 each against 0.004 in a decode step;
+# - on a CPU both steps are the same eager forward: a token costs the same in both, about a tenth of a step on
+#   the lesson's 2-core CPU (results/cpu/speculative-oracle.json: 2 proposals 1.16x, 4 proposals 1.38x).
+DEFAULT_TOKEN_COST = {"cuda": 0.012, "cpu": 0.1}
+DEFAULT_DECODE_TOKEN_COST = {"cuda": 0.004}  # a CPU's: its token cost
+DEFAULT_STEP_COST = {"cuda": 0.2, "cpu": 0.0}
 ACCEPTANCE_WEIGHT = 0.2  # of each new outcome (kept 1, rejected 0) in a request's running acceptance estimate
 PROBE_SHARE = 0.02  # of the time, at most, spent checking one proposal of requests the rule leaves out
 
@@ -50,6 +53,7 @@ class SpeculativeEngineConfig(PrefixCachingEngineConfig):
     speculative_method: str = "ngram"  # ngram | draft
     draft_model: str | None = None  # --speculative-method draft: a model with the target's tokenizer
     speculative_token_cost: float | None = None  # see DEFAULT_TOKEN_COST; with a step cost of 0, 0 checks all
+    speculative_decode_token_cost: float | None = None  # see DEFAULT_DECODE_TOKEN_COST
     speculative_step_cost: float | None = None  # see DEFAULT_STEP_COST
 
 
@@ -98,10 +102,12 @@ class SpeculativeEngine(PrefixCachingEngine):
         self.token_cost = (DEFAULT_TOKEN_COST[kind] if config.speculative_token_cost is None
                            else config.speculative_token_cost)
         self.step_cost = DEFAULT_STEP_COST[kind] if config.speculative_step_cost is None else config.speculative_step_cost
-        if min(self.token_cost, self.step_cost) < 0:
-            raise ValueError("--speculative-token-cost and --speculative-step-cost must be at least 0")
-        # A request the rule leaves out checks one proposal this often: at most PROBE_SHARE of the time.
-        self.probe_interval = max(1, math.ceil((self.step_cost + self.token_cost) / PROBE_SHARE))
+        self.decode_token_cost = (DEFAULT_DECODE_TOKEN_COST.get(kind, self.token_cost)
+                                  if config.speculative_decode_token_cost is None
+                                  else config.speculative_decode_token_cost)
+        if min(self.token_cost, self.step_cost, self.decode_token_cost) < 0:
+            raise ValueError("--speculative-token-cost, --speculative-decode-token-cost and --speculative-step-cost "
+                             "must be at least 0")
         self.proposed_tokens = 0  # proposals verified
         self.accepted_tokens = 0  # of those, kept
         self.verify_rows = 0  # verification chunks run: each emits 1 + its kept proposals
@@ -138,8 +144,9 @@ class SpeculativeEngine(PrefixCachingEngine):
 
     def describe_speculation(self) -> str:
         return (f"speculation: up to {self.config.speculative_tokens} {self.config.speculative_method} proposals "
-                f"per decoder, checked where they pay for what they cost: {self.step_cost:g} of a decode step for "
-                f"a step that verifies, {self.token_cost:g} for each token")
+                f"per decoder, checked where they pay for what they cost, in decode steps: {self.step_cost:g} for a "
+                f"step that verifies, {self.token_cost:g} for each of its tokens ({self.decode_token_cost:g} in a "
+                f"decode step)")
 
     # ----- scheduling: proposals in what the step leaves -----------------------------------------------------
 
@@ -174,14 +181,15 @@ class SpeculativeEngine(PrefixCachingEngine):
         """How many proposals to check for each decoder (at most `limits[i]`) in a step that already computes
         `step_tokens` tokens. A decoder's j-th proposal is kept with chance a^j (a: its `acceptance`), so n
         proposals, the most likely first, add their chances to the step's tokens: E = decoders + the sum. The
-        step costs 1 + c x tokens, and s more if it verifies (c: `token_cost`, s: `step_cost`). Take the n that
-        gives the most tokens per cost, 0 if none beats the plain step; stop at the token limit. A decoder left
-        out for `probe_interval` steps checks one proposal anyway, so that its estimate can recover."""
-        c, s = self.token_cost, self.step_cost
+        plain step costs 1 + d x step_tokens, one that verifies 1 + s + c x (step_tokens + n) (d:
+        `decode_token_cost`, s: `step_cost`, c: `token_cost`). Take the n that gives the most tokens per cost, 0 if
+        none beats the plain step; stop at the token limit. A decoder left out for `probe_interval` steps checks
+        one proposal anyway, so that its estimate can recover."""
+        c, s, d = self.token_cost, self.step_cost, self.decode_token_cost
         room = max(0, self.speculation_token_limit() - step_tokens)
         chances = sorted(((r.acceptance**j, i) for i, r in enumerate(decoders) for j in range(1, limits[i] + 1)),
                          key=lambda chance_and_row: -chance_and_row[0])[:room]
-        expected, best, best_rate = float(len(decoders)), 0, len(decoders) / (1 + c * step_tokens)
+        expected, best, best_rate = float(len(decoders)), 0, len(decoders) / (1 + d * step_tokens)
         for n, (chance, _) in enumerate(chances, start=1):
             expected += chance
             rate = expected / (1 + s + c * (step_tokens + n))
@@ -190,10 +198,19 @@ class SpeculativeEngine(PrefixCachingEngine):
         counts = [0] * len(decoders)
         for _, i in chances[:best]:
             counts[i] += 1
+        every = self.probe_interval(len(decoders), step_tokens)
         for i, request in enumerate(decoders):
-            if not counts[i] and limits[i] and request.steps_unchecked >= self.probe_interval and best < room:
+            if not counts[i] and limits[i] and request.steps_unchecked >= every and best < room:
                 counts[i], best = 1, best + 1
         return counts
+
+    def probe_interval(self, decoders: int, step_tokens: int) -> int:
+        """How many steps a decoder the rule leaves out waits before it checks one proposal anyway: what a step in
+        which every decoder probes costs beyond the plain step, spread so that probes take at most PROBE_SHARE of
+        the time (on the H200, 11 steps at batch 1 and 59 at batch 64)."""
+        plain = 1 + self.decode_token_cost * step_tokens
+        probing = 1 + self.step_cost + self.token_cost * (step_tokens + decoders)
+        return max(1, math.ceil((probing / plain - 1) / PROBE_SHARE))
 
     def speculation_token_limit(self) -> int:
         """The most tokens a step may reach with its proposals: the token budget."""

@@ -40,7 +40,8 @@ class OracleProposer(NgramProposer):
         return token if chance < self.acceptance else (token + 1) % self.vocab_size
 
     def most(self, request: SpeculativeRequest, limit: int) -> int:
-        return min(limit, len(self.guesses(request)))
+        done = len(request.output_token_ids)  # asked every step for every decoder: no digests here
+        return min(limit, self.k, len(self.continuations[tuple(request.prompt_token_ids)]) - done)
 
     def propose(self, requests: list[SpeculativeRequest], counts: list[int]) -> list[Proposal]:
         return [Proposal(self.guesses(r)[:count]) for r, count in zip(requests, counts, strict=True)]

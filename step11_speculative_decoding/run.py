@@ -27,15 +27,17 @@ def add_arguments(parser: argparse.ArgumentParser, speculative_tokens: int = 4) 
                                   "draft: a smaller model with the same tokenizer (--draft-model)")
     speculation.add_argument("--draft-model", default=None,
                              help="the draft model for --speculative-method draft (any --model name)")
-    # The defaults are engine.py's DEFAULT_TOKEN_COST and DEFAULT_STEP_COST, written out: --help must not wait
-    # for torch to load (tests/test_cli_flags.py keeps them equal).
+    # The defaults are engine.py's DEFAULT_TOKEN_COST, DEFAULT_DECODE_TOKEN_COST and DEFAULT_STEP_COST, written
+    # out: --help must not wait for torch to load (tests/test_cli_flags.py keeps them equal).
     speculation.add_argument("--speculative-token-cost", type=float, default=None,
-                             help="what one more token costs, in decode steps, for the rule that decides how many "
-                                  "proposals to check (default 0.1 on a CPU, 0.003 on a GPU)")
+                             help="what a token of a step that verifies costs, in decode steps, for the rule that "
+                                  "decides how many proposals to check (default 0.1 on a CPU, 0.012 on a GPU)")
+    speculation.add_argument("--speculative-decode-token-cost", type=float, default=None,
+                             help="what a token of a plain decode step costs, in decode steps (default: the token "
+                                  "cost on a CPU, 0.004 on a GPU)")
     speculation.add_argument("--speculative-step-cost", type=float, default=None,
                              help="what a step that verifies costs more than a decode step, in decode steps "
-                                  "(default 0 on a CPU, 0.3 on a GPU; both costs 0: check every proposal)")
-
+                                  "(default 0 on a CPU, 0.2 on a GPU; both costs 0: check every proposal)")
 
 if __name__ == "__main__":
     raise SystemExit(main("step11_speculative_decoding", __doc__, add_arguments=add_arguments))

@@ -90,9 +90,11 @@ def test_what_a_run_py_writes_out_is_its_engines() -> None:
     step09 = next(s for s in STEPS if s.name == "step09_chunked_prefill")
     help_text = " ".join(step_parser(step09).format_help().split())  # argparse wraps the lines
     assert f"{CPU_TOKEN_BUDGET} on a CPU; on a GPU about {GPU_STEP_FLOPS / 1e12:g} TFLOP" in help_text
-    from step11_speculative_decoding.engine import DEFAULT_STEP_COST, DEFAULT_TOKEN_COST
+    from step11_speculative_decoding.engine import DEFAULT_DECODE_TOKEN_COST, DEFAULT_STEP_COST, DEFAULT_TOKEN_COST
 
     step11 = next(s for s in STEPS if s.name == "step11_speculative_decoding")
     help_text = " ".join(step_parser(step11).format_help().split())
     assert f"default {DEFAULT_TOKEN_COST['cpu']:g} on a CPU, {DEFAULT_TOKEN_COST['cuda']:g} on a GPU" in help_text
     assert f"default {DEFAULT_STEP_COST['cpu']:g} on a CPU, {DEFAULT_STEP_COST['cuda']:g} on a GPU" in help_text
+    assert "cpu" not in DEFAULT_DECODE_TOKEN_COST  # a CPU's decode token costs its token cost
+    assert f"the token cost on a CPU, {DEFAULT_DECODE_TOKEN_COST['cuda']:g} on a GPU" in help_text

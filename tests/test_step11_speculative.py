@@ -300,7 +300,7 @@ def test_the_rule_stops_at_the_budget_and_probes_the_left_out() -> None:
     # Three tokens left: 0.9, 0.9, then 0.81, the most likely proposals first, whoever's they are.
     assert engine.proposal_counts(decoders_with(engine, [0.9, 0.9]), [8, 8], 2) == [2, 1]
     probing = rule_engine(0.005)
-    left_out = decoders_with(probing, [0.0, 0.0], unchecked=probing.probe_interval)
+    left_out = decoders_with(probing, [0.0, 0.0], unchecked=probing.probe_interval(2, 2))
     assert probing.proposal_counts(left_out, [8, 0], 2) == [1, 0]  # one proposal, where there is one
 
 
@@ -315,6 +315,6 @@ def test_a_request_whose_proposals_fail_stops_speculating_but_still_probes() -> 
     assert CheckedRun(engine).run(prompts, params) == expected
     assert engine.accepted_tokens == 0
     # At 0.1 a token, a proposal pays while a > 0.09: 0.5 x 0.8^n falls below after 8 rejections; then a probe
-    # every probe_interval + 1 steps (5 + 1 here).
-    assert engine.probe_interval == 5
-    assert 8 <= engine.verify_rows <= 8 + 60 // engine.probe_interval
+    # every probe_interval + 1 steps (5 + 1 here: a step with one probe costs 1.2 against 1.1, 9% more).
+    assert engine.probe_interval(1, 1) == 5
+    assert 8 <= engine.verify_rows <= 8 + 60 // engine.probe_interval(1, 1)

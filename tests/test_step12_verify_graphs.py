@@ -89,7 +89,8 @@ def test_overlap_comes_back_once_proposals_stop_paying() -> None:
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:2]]
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     expected = step01_tokens(tiny, prompts, params)
-    engine = overlap_engine(tiny, 4, block_size=4, speculative_token_cost=0.005, speculative_step_cost=0.3)  # a GPU's
+    engine = overlap_engine(tiny, 4, block_size=4, speculative_token_cost=0.012, speculative_step_cost=0.2,
+                            speculative_decode_token_cost=0.004)  # a GPU's
     engine.proposer = OracleProposer(4, {tuple(p): c for p, c in zip(prompts, expected, strict=True)}, 0.0,
                                      tiny.model.config.vocab_size)
     assert CheckedRun(engine).run(prompts, params) == expected
@@ -126,7 +127,7 @@ def test_sampled_verification_on_static_buffers_draws_step11s_tokens() -> None:
     params = SamplingParams(max_tokens=30, temperature=0.1, seed=3)
     eager = SpeculativeEngine(tiny, SpeculativeEngineConfig(
         device=DEVICE, attn="torch" if DEVICE == "cpu" else "triton", block_size=4, speculative_tokens=4,
-        speculative_token_cost=0.0))
+        speculative_token_cost=0.0, speculative_step_cost=0.0))  # as graph_engine's: the same steps verify
     engine = graph_engine(tiny, 4, block_size=4, max_num_seqs=8)
     runs = counting_runs(engine)
     expected = [c.token_ids for c in eager.generate(prompts, params)]
