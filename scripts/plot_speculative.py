@@ -2,12 +2,14 @@
 decoding's, for each k, from what a verification step costs.
 
     .venv/bin/python scripts/plot_speculative.py results/gpu/speculative-verify-step.json \\
-        --measured results/cpu/speculative-oracle.json --output results/gpu/speculative-expected.png
+        --measured results/cpu/speculative-oracle.json --points results/gpu/speculative-sweep.json \\
+        --output results/gpu/speculative-expected.png
 
 Reads the evidence of `step11_speculative_decoding/bench_oracle.py`. A curve per batch and k of the first file:
 the step's cost against a decode step's (measured), divided by E = 1 + a + ... + a^k (the expected tokens per
 row) for a from 0 to 1. With --measured, the points of a second file where the oracle's a is exact (float32),
-time per token as measured, beside its own curves: the check that the curves can be trusted.
+time per token as measured, beside its own curves: the check that the curves can be trusted. With --points,
+the times per token measured under the rule on the first file's device.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("evidence", type=Path)
     p.add_argument("--measured", type=Path, default=None, help="a float32 oracle sweep to put beside its curves")
+    p.add_argument("--points", type=Path, default=None,
+                   help="a sweep under the rule (the same device): its measured times per token, as crosses")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--output", type=Path, default=None, help="the PNG (default: the evidence's name, .png)")
     args = p.parse_args(argv)
@@ -60,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.measured:
         cpu = json.loads(args.measured.read_text(encoding="utf-8"))
         draw(ax, cpu, args.batch, ":", "CPU, expected (dots: measured, float32)", points=True)
+    if args.points:
+        sweep = json.loads(args.points.read_text(encoding="utf-8"))
+        for k in sorted({r["k"] for r in sweep["runs"] if r["k"] and r["batch"] == args.batch}):
+            runs = [r for r in sweep["runs"] if r["batch"] == args.batch and r["k"] == k]
+            ax.plot([r["acceptance"] for r in runs], [r["time_per_token_vs_off"] for r in runs], "x", markersize=7,
+                    label=f"{sweep['device']}, the rule, k = {k}: measured")
     ax.axhline(1, color="grey", linestyle="--", linewidth=1)
     ax.text(0.01, 1.02, "plain decoding", color="grey", fontsize=8)
     ax.set_xlabel("acceptance a (the chance that a proposal is kept)")

@@ -354,6 +354,20 @@ def render_oracle(path: str, doc: Doc) -> list[str]:
     return markdown(header, rows, text_columns=0)
 
 
+def render_oracle_sweep(path: str, doc: Doc) -> list[str]:
+    """bench_oracle.py as a grid: per batch and k, the time per output token against speculation off at each of
+    the oracle's acceptances (a * where the oracle's tokens were not the run's own, so its a did not quite hold)."""
+    acceptances = sorted({r["acceptance"] for r in doc["runs"] if r["k"]})
+    cells: dict[tuple[int, int], dict[float, str]] = {}
+    for run in doc["runs"]:
+        if run["k"]:
+            mark = "" if run.get("oracle_exact", True) else " *"
+            cells.setdefault((run["batch"], run["k"]), {})[run["acceptance"]] = (
+                f"{run['time_per_token_vs_off']:.2f}x{mark}")
+    rows = [[str(batch), str(k), *(by_a.get(a, "-") for a in acceptances)] for (batch, k), by_a in cells.items()]
+    return markdown(["batch", "k", *(f"a = {a:g}" for a in acceptances)], rows, text_columns=0)
+
+
 @dataclass(frozen=True)
 class Renderer:
     kind: str
@@ -382,4 +396,5 @@ RENDERERS = (
     Renderer("checkpoint-memory", lambda doc: "peak_allocated_bytes" in doc, render_checkpoint_memory),
     Renderer("speculative", lambda doc: "speculative_tokens" in first(doc, "runs"), render_speculative),
     Renderer("oracle", lambda doc: "acceptance" in first(doc, "runs"), render_oracle),
+    Renderer("oracle-sweep", lambda doc: "acceptance" in first(doc, "runs"), render_oracle_sweep),
 )

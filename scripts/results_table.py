@@ -26,7 +26,8 @@ The kind of a file is read from what it holds (scripts/renderers.py: `RENDERERS`
     host-per-step         step14_overlap_scheduling/bench_host.py: cpu/host-per-step.json
     checkpoint-memory     scripts/check_checkpoint_memory.py: gpu/checkpoint-load-memory-*.json
     speculative           step11_speculative_decoding/bench_speculative.py: cpu/speculative.json
-    oracle                step11_speculative_decoding/bench_oracle.py: gpu/speculative-*.json
+    oracle, oracle-sweep  step11_speculative_decoding/bench_oracle.py: gpu/speculative-*.json; oracle-sweep is the
+                          time per token only, batch and k x acceptance
 
 In a README, every table generated here starts with its source line (`<!-- results/....json: ... -->`);
 `--refresh` regenerates each such table in place, as the kind whose header shares the most columns with the
