@@ -39,10 +39,18 @@ def check_against_reference(
     engine: Engine, prompts: Sequence[Sequence[int]], completions: Sequence[Completion], max_tokens: int
 ) -> list[ParityReport]:
     """Compare each greedy completion with HF generate() on the same weights, prompt by prompt."""
-    hf = hf_model_for(engine.loaded)
+    return check_model_against_reference(engine.loaded, engine.eos_token_ids, prompts, completions, max_tokens)
+
+
+def check_model_against_reference(
+    loaded: LoadedModel, eos_token_ids: frozenset[int], prompts: Sequence[Sequence[int]],
+    completions: Sequence[Completion], max_tokens: int,
+) -> list[ParityReport]:
+    """The same, given the model's weights rather than an engine (one whose weights are split across ranks)."""
+    hf = hf_model_for(loaded)
     reports = []
     for prompt, completion in zip(prompts, completions, strict=True):
-        theirs = reference_greedy(hf, prompt, max_tokens, engine.eos_token_ids)
+        theirs = reference_greedy(hf, prompt, max_tokens, eos_token_ids)
         reports.append(compare_greedy(hf, prompt, completion.token_ids, theirs))
     return reports
 

@@ -1,0 +1,152 @@
+"""Step 04, tensor parallel on the CPU: gloo, 2 or 3 processes (as many as the tiny model's KV heads allow). The
+final engine's eager path split over the ranks gives one process's tokens, every rank emits the same, and every
+rank holds nothing at the end; bad sizes are refused in one line; no process outlives the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.checks import staggered_generate
+from common.loading import load_model
+from common.prompts import PARITY_PROMPTS
+from common.sampling import SamplingParams
+from common.steps import STEP_NAMES, find_step
+from step04_multi_gpu.sharding import TensorParallelConfigError
+from step04_multi_gpu.tensor_parallel import TensorParallelEngine, check_world
+from tests.helpers import PARITY_MAX_TOKENS, step01_tokens
+
+FINAL = STEP_NAMES[-1]
+REPO = Path(__file__).resolve().parents[1]
+# Tiny models have 6 query heads; llama and qwen2 3 KV heads, qwen3 2.
+SPLITS = [("tiny-qwen3", 2), ("tiny-llama", 3), ("tiny-qwen2", 3)]
+
+
+def split_engine(model: str, size: int, step: str = FINAL, **config: Any) -> TensorParallelEngine:
+    config_class = find_step(step).engine_class().config_class
+    settings = {"device": "cpu", "block_size": 4, "num_blocks": 256, "max_num_batched_tokens": 16} | config
+    return TensorParallelEngine(step, config_class(model=model, **settings), size)
+
+
+def assert_ranks_agree_and_hold_nothing(reports: list[dict[str, Any]], size: int) -> None:
+    assert [r["rank"] for r in reports] == list(range(size))
+    assert len({r["emitted"] for r in reports}) == 1, f"the ranks emitted different tokens: {reports}"
+    assert len({r["blocks"] for r in reports}) == 1, "the ranks' pools differ in size"
+    for r in reports:
+        assert (r["requests"], r["running"], r["waiting"], r["blocks_used"]) == (0, 0, 0, 0), f"rank left: {r}"
+
+
+@pytest.mark.parametrize("model, size", SPLITS)
+def test_split_over_ranks_gives_one_process_tokens(model: str, size: int) -> None:
+    """A token budget of 16, requests joining every 2 steps: step 01's tokens, on every rank alike."""
+    tiny = load_model(model)
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:6]]
+    params = SamplingParams(max_tokens=16)
+    with split_engine(model, size) as engine:
+        got = [c.token_ids for c in staggered_generate(engine, prompts, params, arrive_every=2)]
+        reports = engine.rank_reports()
+        workers = list(engine.workers)
+    assert got == step01_tokens(tiny, prompts, params)
+    assert_ranks_agree_and_hold_nothing(reports, size)
+    assert not any(w.is_alive() for w in workers), "a rank outlived close()"
+
+
+def test_prefix_hits_preemption_and_abort_over_two_ranks() -> None:
+    """A pool so small that requests are preempted, prompts that share their start (step 10's cache hits), and
+    one request aborted mid-decode: the others keep step 01's tokens, every rank frees everything."""
+    tiny = load_model("tiny-qwen3")
+    shared = "Read this first, then answer: " + "the quick brown fox jumps over the lazy dog; " * 4
+    prompts = [tiny.tokenizer.apply_chat_template(shared + p) for p in PARITY_PROMPTS[:6]]
+    params = SamplingParams(max_tokens=24)
+    expected = step01_tokens(tiny, prompts, params)
+    longest = -(-(max(map(len, prompts)) + 24) // 4)
+    with split_engine("tiny-qwen3", 2, num_blocks=longest + 6) as engine:
+        ids = [engine.add_request(p, params) for p in prompts]
+        requests = [engine.requests[i] for i in ids]
+        for _ in range(6):
+            engine.step()
+        engine.abort(ids[2])
+        while engine.has_unfinished():
+            engine.step()
+        stats = engine.stats()
+        reports = engine.rank_reports()
+    kept = [r.output_token_ids for i, r in enumerate(requests) if i != 2]
+    assert kept == [t for i, t in enumerate(expected) if i != 2]
+    assert stats["preemptions_total"] > 0 and stats["prefix_cache_hits_total"] > 0
+    assert_ranks_agree_and_hold_nothing(reports, 2)
+
+
+@pytest.mark.embedded
+def test_the_embedded_model_over_three_ranks_matches_hf(embedded_reference: list[tuple[list[int], list[int]]]) -> None:
+    """SmolLM2-135M has 9 query heads and 3 KV heads: three ranks of 3 and 1. HF generate()'s greedy tokens."""
+    pairs = embedded_reference[:4]
+    params = SamplingParams(max_tokens=PARITY_MAX_TOKENS)
+    with split_engine("smollm2-135m-instruct", 3, num_blocks=512, max_num_batched_tokens=64) as engine:
+        got = [c.token_ids for c in staggered_generate(engine, [p for p, _ in pairs], params, arrive_every=1)]
+        reports = engine.rank_reports()
+    assert got == [theirs for _, theirs in pairs]
+    assert_ranks_agree_and_hold_nothing(reports, 3)
+
+
+@pytest.mark.parametrize("model, size, step, message", [
+    ("tiny-llama", 2, FINAL, "--tensor-parallel-size 2 does not divide the model's 3 KV heads: choose one of 1, 3"),
+    ("tiny-qwen3", 4, FINAL, "--tensor-parallel-size 4 does not divide the model's 6 query heads: choose one of 1, 2"),
+    ("tiny-qwen3", 2, "step03_vectorized_gather", "splits the engines of steps 06 and later"),
+])
+def test_a_size_that_does_not_split_the_model_is_refused_before_any_process_starts(
+        model: str, size: int, step: str, message: str) -> None:
+    with pytest.raises(TensorParallelConfigError, match=message.replace("(", r"\(")):
+        TensorParallelEngine(step, find_step(STEP_NAMES[-1]).engine_class().config_class(model=model, device="cpu"),
+                             size)
+
+
+def test_more_ranks_than_gpus_is_refused() -> None:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    with pytest.raises(TensorParallelConfigError, match=f"needs {gpus + 1} GPUs; this machine has {gpus}"):
+        check_world(gpus + 1, "cuda")
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux's /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through Linux's /proc")
+def test_ctrl_c_leaves_no_process_behind() -> None:
+    """run.py over two ranks, interrupted mid-run as Ctrl-C would: it exits, and so does its other rank."""
+    script = [sys.executable, str(REPO / "step04_multi_gpu/run.py"), "--model", "tiny-qwen3", "--device", "cpu",
+              "--tensor-parallel-size", "2", "--max-tokens", "100000", "--no-check", "--max-model-len", "100000"]
+    run = subprocess.Popen(script, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    assert run.stdout is not None
+    for line in run.stdout:  # wait until both ranks run
+        if "over 2 ranks" in line:
+            break
+    workers = children_of(run.pid)
+    assert workers, "no rank process was started"
+    time.sleep(1.0)
+    run.send_signal(signal.SIGINT)
+    run.communicate(timeout=60)
+    deadline = time.time() + 30
+    while time.time() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
+        time.sleep(0.2)
+    alive = [w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
+    assert alive == [], f"processes left behind: {alive}"
