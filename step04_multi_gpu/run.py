@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -107,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from common.loading import ModelLoadError
     from common.steps import find_step
     from step04_multi_gpu.sharding import TensorParallelConfigError
-    from step04_multi_gpu.tensor_parallel import Launch, follow_rank_zero
+    from step04_multi_gpu.tensor_parallel import Launch, RankDiedError, follow_rank_zero
 
     config = find_step(args.step).engine_class().config_class.from_args(args)
     rank = int(os.environ.get("RANK", 0))
@@ -130,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if ok else 1
     except (ModelLoadError, TensorParallelConfigError, ValueError) as err:
         return fail(err)
+    except RankDiedError as err:  # not a bad command line: the run failed
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # every rank is stopped on the way out (TensorParallelEngine.close)
         print("interrupted: every rank stopped")
         return 130

@@ -44,6 +44,10 @@ SHARDABLE_STEPS = STEP_NAMES[STEP_NAMES.index("step06_paged_attention"):]
 TIMEOUT = timedelta(seconds=120)  # a collective that waits longer than this is a rank that died
 
 
+class RankDiedError(RuntimeError):
+    """A rank's process exited while the others needed it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """Where one rank runs: its number, how many there are, and rank 0's rendezvous (None: torchrun's env)."""
@@ -138,6 +142,7 @@ def follow_rank_zero(launch: Launch, step_name: str, config: EngineConfig) -> No
     """A worker rank: build the engine, then apply rank 0's commands until it says stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the others
     watch_parent()
+    quiet()
     engine, control = build_rank_engine(launch, step_name, config)
     log = RankLog()
     while True:
@@ -158,6 +163,11 @@ def follow_rank_zero(launch: Launch, step_name: str, config: EngineConfig) -> No
             elif kind == "stop":
                 dist.destroy_process_group()
                 return
+
+
+def quiet() -> None:
+    """Rank 0 says what every rank does (start-up lines, reports): the others keep only their errors."""
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
 
 
 def watch_parent() -> None:
@@ -234,9 +244,13 @@ class TensorParallelEngine:
         return out
 
     def step(self) -> list[RequestOutput]:
-        self.send([*self.pending, ("step",)])
-        self.pending = []
-        outputs = self.engine.step()
+        try:
+            self.send([*self.pending, ("step",)])
+            self.pending = []
+            outputs = self.engine.step()
+        except (RuntimeError, dist.DistError) as err:  # a collective whose peer is gone
+            self.raise_if_a_rank_died(err)
+            raise
         self.log.record(outputs)
         return outputs
 
@@ -263,13 +277,32 @@ class TensorParallelEngine:
         dist.gather_object(self.log.report(0, self.engine), reports, dst=0, group=self.control)
         return reports
 
+    def dead_rank(self) -> str | None:
+        """What to say of the first worker that exited, if one has."""
+        for worker in self.workers:
+            if worker.exitcode not in (None, 0):
+                return (f"rank {worker.name.removeprefix('rank-')} exited with code {worker.exitcode} (its error, "
+                        "if it had one, is above): stopping every rank")
+        return None
+
+    def raise_if_a_rank_died(self, err: Exception) -> None:
+        """A collective failed: if a worker is gone, say so and stop the rest, rather than show gloo's error."""
+        deadline = time.monotonic() + 5  # the failed collective may be seen before the dead process is
+        while (message := self.dead_rank()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if message is not None:
+            self.close(graceful=False)
+            raise RankDiedError(message) from err
+
     def watch_workers(self) -> None:
-        """A worker that dies takes the others down with a clear error, rather than leaving them waiting."""
+        """A worker that dies while rank 0 waits in no collective (say, between requests) takes the others down
+        with a clear error, rather than leaving them waiting."""
         while not self.stopping:
-            for worker in self.workers:
-                if worker.exitcode not in (None, 0) and not self.stopping:
-                    print(f"[rank 0] rank {worker.name.removeprefix('rank-')} exited with code {worker.exitcode} "
-                          "(its error is above): stopping every rank", file=sys.stderr, flush=True)
+            message = self.dead_rank()
+            if message is not None and not self.stopping:
+                time.sleep(1.0)  # a step in flight fails and says it itself (raise_if_a_rank_died)
+                if not self.stopping:
+                    print(f"[rank 0] {message}", file=sys.stderr, flush=True)
                     self.kill_workers()
                     os._exit(1)
             time.sleep(0.2)

@@ -77,6 +77,11 @@ def build_parser(step: str) -> argparse.ArgumentParser:
     server.add_argument("--dry-run", action="store_true",
                         help="serve a tiny model in-process and call it with the openai SDK")
     add_engine_arguments(p, step)
+    parallel = p.add_argument_group("several devices (step 04)")
+    parallel.add_argument("--tensor-parallel-size", type=int, default=1,
+                          help="split the model over this many processes, one per GPU (steps 06 and later)")
+    parallel.add_argument("--data-parallel-size", type=int, default=1,
+                          help="this many whole engines, one per GPU, behind a router")
     return p
 
 
@@ -85,8 +90,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def build_engine(args: argparse.Namespace) -> Engine:
-    """The chosen step's engine, its config taken from the command line like every step's run.py does."""
-    return engine_class(args.step).from_args(args)
+    """The chosen step's engine, its config taken from the command line like every step's run.py does; split
+    over processes (--tensor-parallel-size) or replicated (--data-parallel-size) by step 04."""
+    if args.tensor_parallel_size > 1 and args.data_parallel_size > 1:
+        raise CommandLineError("--tensor-parallel-size and --data-parallel-size together are not built: choose one")
+    config = engine_class(args.step).config_class.from_args(args)
+    if args.tensor_parallel_size > 1:
+        from step04_multi_gpu.tensor_parallel import TensorParallelEngine
+
+        return TensorParallelEngine(args.step, config, args.tensor_parallel_size)
+    if args.data_parallel_size > 1:
+        from step04_multi_gpu.replicas import ReplicatedEngine
+
+        return ReplicatedEngine(args.step, config, args.data_parallel_size)
+    return engine_class(args.step).from_config(config)
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:

@@ -129,17 +129,23 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through Linux's /proc")
-def test_ctrl_c_leaves_no_process_behind() -> None:
-    """run.py over two ranks, interrupted mid-run as Ctrl-C would: it exits, and so does its other rank."""
+def two_ranks_generating() -> subprocess.Popen[str]:
+    """run.py on tiny-qwen3 over two ranks, generating for a long while, once both ranks run."""
     script = [sys.executable, str(REPO / "step04_multi_gpu/run.py"), "--model", "tiny-qwen3", "--device", "cpu",
               "--tensor-parallel-size", "2", "--max-tokens", "100000", "--no-check", "--max-model-len", "100000"]
     run = subprocess.Popen(script, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
     assert run.stdout is not None
-    for line in run.stdout:  # wait until both ranks run
+    for line in run.stdout:
         if "over 2 ranks" in line:
-            break
+            return run
+    raise AssertionError(f"run.py ended before both ranks ran (exit code {run.wait()})")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through Linux's /proc")
+def test_ctrl_c_leaves_no_process_behind() -> None:
+    """run.py over two ranks, interrupted mid-run as Ctrl-C would: it exits, and so does its other rank."""
+    run = two_ranks_generating()
     workers = children_of(run.pid)
     assert workers, "no rank process was started"
     time.sleep(1.0)
@@ -150,3 +156,16 @@ def test_ctrl_c_leaves_no_process_behind() -> None:
         time.sleep(0.2)
     alive = [w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
     assert alive == [], f"processes left behind: {alive}"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through Linux's /proc")
+def test_a_rank_that_dies_takes_the_others_down_with_a_clear_error() -> None:
+    """Rank 1 killed mid-run: rank 0 says which rank died and exits, rather than waiting in an all-reduce."""
+    run = two_ranks_generating()
+    (worker,) = [pid for pid in children_of(run.pid)  # the rank, not multiprocessing's resource tracker
+                 if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    time.sleep(1.0)
+    os.kill(worker, signal.SIGKILL)
+    rest, _ = run.communicate(timeout=60)
+    assert run.returncode == 1
+    assert "rank 1 exited with code -9" in rest and "stopping every rank" in rest
