@@ -62,6 +62,14 @@ class Exercise:
 
 EXERCISES = [
     Exercise(
+        id="04-shard-layer",
+        stub_module="ex04_shard_layer",
+        target="step04_multi_gpu.sharding:shard_layer",
+        tests=("tests/test_step04_tensor_parallel.py", "-k", "sums_to_the_whole or one_process_tokens and qwen3"),
+        step="step04_multi_gpu",
+        lesson="step04_multi_gpu/README.md",
+    ),
+    Exercise(
         id="01-contiguous-attend",
         stub_module="ex01_contiguous_attend",
         target="step01_serial.kv_cache:ContiguousForward.attend",

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import ModelConfig
-from common.model import CausalLM
+from common.model import CausalLM, DecoderLayer
 
 
 class TensorParallelConfigError(ValueError):
@@ -133,6 +133,20 @@ def vocab_slice(weight: torch.Tensor, rank: int, size: int) -> tuple[torch.Tenso
 
 
 @torch.no_grad()
+def shard_layer(layer: DecoderLayer, rank: int, size: int, group: dist.ProcessGroup | None) -> None:
+    """Cut one decoder layer down to rank's shard, in place (exercise 04-shard-layer): q, k, v, gate and up by
+    columns, o_proj and down_proj by rows, then an all-reduce (`RowParallelLinear`); the attention module
+    counts only its own heads."""
+    attention, mlp = layer.self_attn, layer.mlp
+    for projection in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj):
+        split_linear(projection, rank, size)
+    attention.num_heads //= size
+    attention.num_kv_heads //= size
+    attention.o_proj = RowParallelLinear(columns_of(attention.o_proj.weight.data, rank, size), group)
+    mlp.down_proj = RowParallelLinear(columns_of(mlp.down_proj.weight.data, rank, size), group)
+
+
+@torch.no_grad()
 def shard_model(model: CausalLM, rank: int, size: int, group: dist.ProcessGroup | None = None) -> CausalLM:
     """Cut a whole, prepared model down to rank's shard, in place, and return it."""
     config = model.config
@@ -140,15 +154,7 @@ def shard_model(model: CausalLM, rank: int, size: int, group: dist.ProcessGroup 
     if size == 1:
         return model
     for layer in model.model.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
-            split_linear(projection, rank, size)
-        attention.num_heads //= size
-        attention.num_kv_heads //= size
-        attention.o_proj = RowParallelLinear(columns_of(attention.o_proj.weight.data, rank, size), group)
-        split_linear(mlp.gate_proj, rank, size)
-        split_linear(mlp.up_proj, rank, size)
-        mlp.down_proj = RowParallelLinear(columns_of(mlp.down_proj.weight.data, rank, size), group)
+        shard_layer(layer, rank, size, group)
     embedding, start = vocab_slice(model.model.embed_tokens.weight.data, rank, size)
     model.model.embed_tokens = VocabParallelEmbedding(embedding, start, group)
     # A tied head is the embedding table: the same slice of it, shared.

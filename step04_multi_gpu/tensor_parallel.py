@@ -222,8 +222,12 @@ class TensorParallelEngine:
             self.watcher = threading.Thread(target=self.watch_workers, daemon=True, name="watch-ranks")
             self.watcher.start()
         atexit.register(self.close)
-        self.engine, self.control = build_rank_engine(Launch(0, world, device_type, address), step_name, config,
-                                                      loaded)
+        try:
+            self.engine, self.control = build_rank_engine(Launch(0, world, device_type, address), step_name,
+                                                          config, loaded)
+        except BaseException:
+            self.close(graceful=False)  # the others would wait for rank 0 until the timeout
+            raise
         self.pending: list[Command] = []
         self.log = RankLog()
 
@@ -327,6 +331,8 @@ class TensorParallelEngine:
         for worker in self.workers:
             worker.join(timeout=10 if graceful else 0)
         self.kill_workers()
+        if dist.is_initialized():  # not stopped gracefully: leave this process free to start ranks again
+            dist.destroy_process_group()
 
     def stop_ranks(self) -> None:
         self.send([("stop",)])

@@ -4,6 +4,7 @@ rank holds nothing at the end; bad sizes are refused in one line; no process out
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
@@ -13,12 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from common.checks import staggered_generate
 from common.loading import load_model
+from common.model import ForwardContext
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
 from common.steps import STEP_NAMES, find_step
+from step04_multi_gpu import sharding
 from step04_multi_gpu.sharding import TensorParallelConfigError
 from step04_multi_gpu.tensor_parallel import TensorParallelEngine, check_world
 from tests.helpers import PARITY_MAX_TOKENS, step01_tokens
@@ -41,6 +46,39 @@ def assert_ranks_agree_and_hold_nothing(reports: list[dict[str, Any]], size: int
     assert len({r["blocks"] for r in reports}) == 1, "the ranks' pools differ in size"
     for r in reports:
         assert (r["requests"], r["running"], r["waiting"], r["blocks_used"]) == (0, 0, 0, 0), f"rank left: {r}"
+
+
+class CausalAttention(ForwardContext):
+    """Attention over the forward's own tokens only (no cache): enough to run one layer on its own."""
+
+    def __init__(self, tokens: int) -> None:
+        self.positions = torch.arange(tokens)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("model, size", SPLITS)
+def test_a_sharded_layer_sums_to_the_whole_one(model: str, size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No processes: each rank's share of a layer is cut from a copy, its all-reduce left out, and the shares'
+    partial outputs added by hand. Attention and MLP each give the whole layer's output."""
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, group=None: tensor)  # summed below
+    whole = load_model(model).model
+    layer = whole.model.layers[0]
+    x = torch.randn(5, whole.config.hidden_size)
+    rope = whole.rope.lookup(torch.arange(5), x.dtype)
+    shares = [copy.deepcopy(layer) for _ in range(size)]
+    for rank, share in enumerate(shares):
+        sharding.shard_layer(share, rank, size, None)
+        assert share.self_attn.num_heads * size == layer.self_attn.num_heads
+    with torch.no_grad():
+        attention = sum(s.self_attn(x, CausalAttention(5), rope) for s in shares)
+        mlp = sum(s.mlp(x) for s in shares)
+        torch.testing.assert_close(attention, layer.self_attn(x, CausalAttention(5), rope))
+        torch.testing.assert_close(mlp, layer.mlp(x))
 
 
 @pytest.mark.parametrize("model, size", SPLITS)
