@@ -368,6 +368,19 @@ def render_oracle_sweep(path: str, doc: Doc) -> list[str]:
     return markdown(["batch", "k", *(f"a = {a:g}" for a in acceptances)], rows, text_columns=0)
 
 
+def render_tensor_parallel(path: str, doc: Doc) -> list[str]:
+    """step04_multi_gpu/bench_tensor_parallel.py: per size and batch, a decode step's time, the time per output
+    token against one process, and rank 0's all-reduces per step (count, bytes each, host time inside them)."""
+    rows = [[str(r["tensor_parallel_size"]), str(r["batch"]), f"{r['ms_per_step']:.2f} ms",
+             f"{r['time_per_token_vs_one']:.2f}x", f"{r['all_reduces_per_step']:.0f}",
+             f"{r['bytes_per_all_reduce'] / 1024:.1f} KiB" if r["all_reduces_per_step"] else "-",
+             f"{r['host_ms_in_all_reduce_per_step']:.2f} ms" if r["all_reduces_per_step"] else "-"]
+            for r in doc["runs"]]
+    header = ["ranks", "batch", "step", "time per token vs one", "all-reduces per step", "each",
+              "in all-reduces, per step"]
+    return markdown(header, rows, text_columns=0)
+
+
 @dataclass(frozen=True)
 class Renderer:
     kind: str
@@ -397,4 +410,5 @@ RENDERERS = (
     Renderer("speculative", lambda doc: "speculative_tokens" in first(doc, "runs"), render_speculative),
     Renderer("oracle", lambda doc: "acceptance" in first(doc, "runs"), render_oracle),
     Renderer("oracle-sweep", lambda doc: "acceptance" in first(doc, "runs"), render_oracle_sweep),
+    Renderer("tensor-parallel", lambda doc: "tensor_parallel_size" in first(doc, "runs"), render_tensor_parallel),
 )

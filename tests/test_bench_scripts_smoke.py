@@ -124,3 +124,18 @@ def test_bench_oracle_and_its_plot(tmp_path: Path) -> None:
     assert all(r["identical_to_off"] for r in runs if r["k"])  # float32 on a CPU: the oracle's a is exact
     assert plot_speculative.main([str(out), "--measured", str(out), "--output", str(tmp_path / "plot.png")]) == 0
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_bench_tensor_parallel_counts_two_all_reduces_a_layer(tmp_path: Path) -> None:
+    from step04_multi_gpu import bench_tensor_parallel
+
+    out = tmp_path / "tp.json"
+    assert bench_tensor_parallel.main(["--model", "tiny-qwen3", "--sizes", "1,2", "--batch-sizes", "1,2",
+                                       "--max-tokens", "5", "--output", str(out)]) == 0
+    runs = written(out)["runs"]
+    assert [(r["tensor_parallel_size"], r["batch"]) for r in runs] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    from common.loading import load_model
+
+    layers = load_model("tiny-qwen3").model.config.num_layers
+    # Each forward: two all-reduces a layer and one for the embedding, of each token's hidden state.
+    assert [r["all_reduces_per_step"] for r in runs] == [0, 0, 2 * layers + 1, 2 * layers + 1]

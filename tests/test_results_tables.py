@@ -128,6 +128,8 @@ FIGURES = [
      lambda d: (1, "vs off", f"{d['runs'][1]['speedup']:.2f}x")),
     ("oracle", f"{GPU}/speculative-verify-step.json",
      lambda d: (1, "step vs off", f"{d['runs'][1]['ms_per_step'] / d['runs'][0]['ms_per_step']:.2f}x")),
+    ("tensor-parallel", "results/cpu/tensor-parallel.json",
+     lambda d: (2, "all-reduces per step", f"{d['runs'][2]['all_reduces_per_step']:.0f}")),
     ("oracle-sweep", f"{GPU}/speculative-sweep.json",  # row 1: batch 1, k = 4
      lambda d: (1, "a = 0.9", next(f"{r['time_per_token_vs_off']:.2f}x" for r in d["runs"]
                                    if (r["batch"], r["k"], r["acceptance"]) == (1, 4, 0.9)))),
