@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "heads; under torchrun, its number of processes)")
     ranks.add_argument("--step", default=STEP_NAMES[-1], choices=STEP_NAMES[STEP_NAMES.index("step06_paged_attention"):],
                        help="the engine every rank runs (default: the final one)")
+    ranks.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                       help="the model's collectives: nccl between GPUs (default there), gloo on CPUs; gloo on a GPU "
+                            "lets ranks share one GPU, to check correctness, with the eager steps 06 to 11")
 
 
 def tensor_parallel_size(args: argparse.Namespace, model_config: object) -> int:
@@ -62,7 +65,7 @@ def generate_and_check(args: argparse.Namespace, config: object, texts: list[str
     size = tensor_parallel_size(args, whole.model.config)
     params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed)
     started = time.perf_counter()
-    with TensorParallelEngine(args.step, config, size) as engine:
+    with TensorParallelEngine(args.step, config, size, args.distributed_backend) as engine:
         print(f"[{type(engine.engine).__name__}] {config.model} over {size} ranks on {engine.device} "
               f"(started in {time.perf_counter() - started:.1f} s)")
         started = time.perf_counter()
@@ -113,8 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = find_step(args.step).engine_class().config_class.from_args(args)
     rank = int(os.environ.get("RANK", 0))
     if rank:  # started by torchrun: this process follows rank 0's commands
-        follow_rank_zero(Launch(rank, int(os.environ["WORLD_SIZE"]), config.resolved_device().type), args.step,
-                         config)
+        device_type = config.resolved_device().type
+        backend = args.distributed_backend or ("nccl" if device_type == "cuda" else "gloo")
+        follow_rank_zero(Launch(rank, int(os.environ["WORLD_SIZE"]), device_type, None, backend), args.step, config)
         return 0
     try:
         if args.dry_run:

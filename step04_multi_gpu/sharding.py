@@ -91,14 +91,21 @@ class VocabParallelHead(nn.Module):
     """The output head's rows for this rank's slice of the vocabulary: its logits, then an all-gather of every
     rank's slice (padded to equal sizes, the padding cut off) so each rank holds every logit."""
 
-    def __init__(self, weight: torch.Tensor, vocab_size: int, world_size: int,
+    def __init__(self, weight: torch.Tensor, vocab_size: int, rank: int, world_size: int,
                  group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
-        self.vocab_size, self.world_size, self.group = vocab_size, world_size, group
+        self.vocab_size, self.rank, self.world_size, self.group = vocab_size, rank, world_size, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = F.linear(x, self.weight).contiguous()
+        if local.is_cuda and dist.get_backend(self.group) == "gloo":
+            # gloo cannot all-gather GPU tensors: each rank's slice in its place, zeros elsewhere, summed.
+            width = local.shape[-1]
+            whole = local.new_zeros(*local.shape[:-1], width * self.world_size)
+            whole[..., self.rank * width : (self.rank + 1) * width] = local
+            dist.all_reduce(whole, group=self.group)
+            return whole[..., : self.vocab_size]
         slices = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(slices, local, group=self.group)
         return torch.cat(slices, dim=-1)[..., : self.vocab_size]
@@ -160,7 +167,7 @@ def shard_model(model: CausalLM, rank: int, size: int, group: dist.ProcessGroup 
     # A tied head is the embedding table: the same slice of it, shared.
     head = (model.model.embed_tokens.weight if config.tie_word_embeddings
             else vocab_slice(model.lm_head.weight.data, rank, size)[0])
-    model.lm_head = VocabParallelHead(head, config.vocab_size, size, group)
+    model.lm_head = VocabParallelHead(head, config.vocab_size, rank, size, group)
     # What this rank holds, for the engine: its pool stores its own KV heads only.
     model.config = dataclasses.replace(config, num_heads=config.num_heads // size,
                                        num_kv_heads=config.num_kv_heads // size,

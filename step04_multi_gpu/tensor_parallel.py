@@ -41,6 +41,7 @@ from step04_multi_gpu.sharding import TensorParallelConfigError, check_divides, 
 
 # Steps whose engines can be split: from step 06 on, each holds its KV in a pool sized once for all ranks.
 SHARDABLE_STEPS = STEP_NAMES[STEP_NAMES.index("step06_paged_attention"):]
+EAGER_ON_A_GPU = SHARDABLE_STEPS[:SHARDABLE_STEPS.index("step12_cuda_graph")]  # no graphs to capture gloo in
 TIMEOUT = timedelta(seconds=120)  # a collective that waits longer than this is a rank that died
 
 
@@ -56,6 +57,7 @@ class Launch:
     world_size: int
     device_type: str  # "cpu" or "cuda"
     address: str | None = None  # "host:port"
+    backend: str = "gloo"  # of the model's collectives: nccl between GPUs, gloo on CPUs (or GPUs shared by ranks)
 
 
 def free_address() -> str:
@@ -64,22 +66,22 @@ def free_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def check_world(world_size: int, device_type: str) -> None:
-    """Refuse, in one line, more ranks than GPUs. On a CPU the ranks share the cores (slowly, but they run:
-    that is how the tests check three ranks on a two-core machine)."""
-    if device_type == "cuda" and world_size > torch.cuda.device_count():
+def check_world(world_size: int, device_type: str, backend: str = "nccl") -> None:
+    """Refuse, in one line, more ranks than GPUs for NCCL. On a CPU the ranks share the cores (slowly, but they
+    run: that is how the tests check three ranks on a two-core machine), and with gloo they may share GPUs."""
+    if device_type == "cuda" and backend == "nccl" and world_size > torch.cuda.device_count():
         raise TensorParallelConfigError(f"--tensor-parallel-size {world_size} needs {world_size} GPUs; this "
                                         f"machine has {torch.cuda.device_count()}")
 
 
 def join_ranks(launch: Launch) -> tuple[torch.device, dist.ProcessGroup]:
     """Join the process group: this rank's device, and the host-side group that carries control messages."""
-    backend = "nccl" if launch.device_type == "cuda" else "gloo"
+    backend = launch.backend
     device = torch.device("cpu")
     if launch.device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.world_size))  # the ranks share the cores
     if launch.device_type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", launch.rank))
+        local = int(os.environ.get("LOCAL_RANK", launch.rank)) % torch.cuda.device_count()
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     init = "env://" if launch.address is None else f"tcp://{launch.address}"
@@ -196,14 +198,20 @@ class TensorParallelEngine:
     engine interface (add_request, step, abort, generate, stats, ...): what rank 0 is asked goes to the other
     ranks with the next step. Started with torchrun, the other ranks call `follow_rank_zero` themselves."""
 
-    def __init__(self, step_name: str, config: EngineConfig, tensor_parallel_size: int) -> None:
+    def __init__(self, step_name: str, config: EngineConfig, tensor_parallel_size: int,
+                 backend: str | None = None) -> None:
         if step_name not in SHARDABLE_STEPS:
             raise TensorParallelConfigError(f"--tensor-parallel-size splits the engines of steps 06 and later, "
                                             f"not {step_name}: choose one of {', '.join(SHARDABLE_STEPS)}")
         device_type = config.resolved_device().type
+        backend = backend or ("nccl" if device_type == "cuda" else "gloo")
+        if backend == "gloo" and device_type == "cuda" and step_name not in EAGER_ON_A_GPU:
+            raise TensorParallelConfigError(f"gloo's collectives cannot be captured in CUDA graphs: with "
+                                            f"--distributed-backend gloo on a GPU, choose --step among "
+                                            f"{', '.join(EAGER_ON_A_GPU)}")
         torchrun = "RANK" in os.environ
         world = int(os.environ["WORLD_SIZE"]) if torchrun else tensor_parallel_size
-        check_world(world, device_type)
+        check_world(world, device_type, backend)
         # Rank 0 loads its model first, to refuse a size that does not divide it before anything is spawned.
         local = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")
@@ -214,7 +222,7 @@ class TensorParallelEngine:
         if not torchrun:
             spawn = mp.get_context("spawn")
             for rank in range(1, world):
-                launch = Launch(rank, world, device_type, address)
+                launch = Launch(rank, world, device_type, address, backend)
                 worker = spawn.Process(target=run_worker, args=(launch, step_name, config), daemon=True,
                                        name=f"rank-{rank}")
                 worker.start()
@@ -223,8 +231,8 @@ class TensorParallelEngine:
             self.watcher.start()
         atexit.register(self.close)
         try:
-            self.engine, self.control = build_rank_engine(Launch(0, world, device_type, address), step_name,
-                                                          config, loaded)
+            self.engine, self.control = build_rank_engine(Launch(0, world, device_type, address, backend),
+                                                          step_name, config, loaded)
         except BaseException:
             self.close(graceful=False)  # the others would wait for rank 0 until the timeout
             raise
