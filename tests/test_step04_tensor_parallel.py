@@ -167,33 +167,51 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-def two_ranks_generating() -> subprocess.Popen[str]:
-    """run.py on tiny-qwen3 over two ranks, generating for a long while, once both ranks run."""
-    script = [sys.executable, str(REPO / "step04_multi_gpu/run.py"), "--model", "tiny-qwen3", "--device", "cpu",
-              "--tensor-parallel-size", "2", "--max-tokens", "100000", "--no-check", "--max-model-len", "100000"]
-    run = subprocess.Popen(script, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=os.environ | {"PYTHONUNBUFFERED": "1"})
+def started(script: list[str], ready: str) -> subprocess.Popen[str]:
+    """`script` run from the repository, once it has printed a line containing `ready`."""
+    run = subprocess.Popen([sys.executable, *script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     assert run.stdout is not None
     for line in run.stdout:
-        if "over 2 ranks" in line:
+        if ready in line:
             return run
-    raise AssertionError(f"run.py ended before both ranks ran (exit code {run.wait()})")
+    raise AssertionError(f"{script[0]} ended before it printed {ready!r} (exit code {run.wait()})")
+
+
+def two_ranks_generating() -> subprocess.Popen[str]:
+    """run.py on tiny-qwen3 over two ranks, generating for a long while, once both ranks run."""
+    return started(["step04_multi_gpu/run.py", "--model", "tiny-qwen3", "--device", "cpu", "--tensor-parallel-size",
+                    "2", "--max-tokens", "100000", "--no-check", "--max-model-len", "100000"], "over 2 ranks")
+
+
+def assert_interrupt_leaves_no_process(run: subprocess.Popen[str]) -> None:
+    """Ctrl-C (SIGINT) to `run`: it exits, and every process it started is gone within seconds."""
+    children = children_of(run.pid)
+    assert children, "no rank process was started"
+    time.sleep(1.0)
+    run.send_signal(signal.SIGINT)
+    run.communicate(timeout=60)
+    deadline = time.time() + 30
+    while time.time() < deadline and any(Path(f"/proc/{c}").exists() for c in children):
+        time.sleep(0.2)
+    alive = [c for c in children if Path(f"/proc/{c}").exists() and "Z" not in Path(f"/proc/{c}/stat").read_text().split()[2]]
+    assert alive == [], f"processes left behind: {alive}"
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through Linux's /proc")
 def test_ctrl_c_leaves_no_process_behind() -> None:
     """run.py over two ranks, interrupted mid-run as Ctrl-C would: it exits, and so does its other rank."""
-    run = two_ranks_generating()
-    workers = children_of(run.pid)
-    assert workers, "no rank process was started"
-    time.sleep(1.0)
-    run.send_signal(signal.SIGINT)
-    run.communicate(timeout=60)
-    deadline = time.time() + 30
-    while time.time() < deadline and any(Path(f"/proc/{w}").exists() for w in workers):
-        time.sleep(0.2)
-    alive = [w for w in workers if Path(f"/proc/{w}").exists() and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
-    assert alive == [], f"processes left behind: {alive}"
+    assert_interrupt_leaves_no_process(two_ranks_generating())
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through Linux's /proc")
+def test_stopping_the_server_leaves_no_rank_behind() -> None:
+    """The server over two ranks, stopped with Ctrl-C: the server exits, and its other rank with it."""
+    from step08_serve.launcher import free_port
+
+    server = started(["step08_serve/run.py", "--step", FINAL, "--model", "tiny-qwen3", "--device", "cpu",
+                      "--tensor-parallel-size", "2", "--port", str(free_port("127.0.0.1"))], "serving tiny-qwen3")
+    assert_interrupt_leaves_no_process(server)
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="lists processes through Linux's /proc")
