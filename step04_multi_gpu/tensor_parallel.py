@@ -19,6 +19,7 @@ import atexit
 import dataclasses
 import hashlib
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -140,6 +141,29 @@ class RankLog:
 Command = tuple[Any, ...]
 
 
+JUST_STEP: list[Command] = [("step",)]
+
+
+def send_commands(commands: list[Command], control: dist.ProcessGroup) -> None:
+    """Rank 0's broadcast of the commands. Most steps bring nothing new: then one 8-byte broadcast says "step",
+    and nothing is pickled."""
+    payload = b"" if commands == JUST_STEP else pickle.dumps(commands)
+    dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), src=0, group=control)
+    if payload:
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=control)
+
+
+def receive_commands(control: dist.ProcessGroup) -> list[Command]:
+    """A worker's side of `send_commands`."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=control)
+    if not int(size):
+        return JUST_STEP
+    payload = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(payload, src=0, group=control)
+    return pickle.loads(payload.numpy().tobytes())  # noqa: S301 (rank 0's own objects, over its own group)
+
+
 def follow_rank_zero(launch: Launch, step_name: str, config: EngineConfig) -> None:
     """A worker rank: build the engine, then apply rank 0's commands until it says stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the others
@@ -148,9 +172,7 @@ def follow_rank_zero(launch: Launch, step_name: str, config: EngineConfig) -> No
     engine, control = build_rank_engine(launch, step_name, config)
     log = RankLog()
     while True:
-        received: list[list[Command]] = [[]]
-        dist.broadcast_object_list(received, src=0, group=control)
-        for command in received[0]:
+        for command in receive_commands(control):
             kind = command[0]
             if kind == "add":
                 _, prompt_ids, params, request_id, priority, arrival = command
@@ -279,7 +301,7 @@ class TensorParallelEngine:
     # ----- the ranks ------------------------------------------------------------------------------------------
 
     def send(self, commands: list[Command]) -> None:
-        dist.broadcast_object_list([commands], src=0, group=self.control)
+        send_commands(commands, self.control)
 
     def rank_reports(self) -> list[dict[str, Any]]:
         """Every rank's `RankLog.report`, rank 0's first, once the commands so far have reached them all."""
