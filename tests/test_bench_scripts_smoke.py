@@ -139,3 +139,15 @@ def test_bench_tensor_parallel_counts_two_all_reduces_a_layer(tmp_path: Path) ->
     layers = load_model("tiny-qwen3").model.config.num_layers
     # Each forward: two all-reduces a layer and one for the embedding, of each token's hidden state.
     assert [r["all_reduces_per_step"] for r in runs] == [0, 0, 2 * layers + 1, 2 * layers + 1]
+
+
+def test_bench_replicas_spreads_a_fixed_workload(tmp_path: Path) -> None:
+    from step04_multi_gpu import bench_replicas
+
+    out = tmp_path / "replicas.json"
+    assert bench_replicas.main(["--model", "tiny-qwen3", "--workload", "fixed", "--batch", "8", "--max-tokens", "4",
+                                "--output", str(out)]) == 0
+    runs = written(out)["runs"]
+    assert [r["replicas"] for r in runs] == [1, 2]
+    assert all(r["output_tokens"] == 32 for r in runs)
+    assert sum(runs[1]["requests_routed"]) == 8 and min(runs[1]["requests_routed"]) >= 3
