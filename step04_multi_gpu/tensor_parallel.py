@@ -42,6 +42,7 @@ from step04_multi_gpu.sharding import TensorParallelConfigError, check_divides, 
 
 # Steps whose engines can be split: from step 06 on, each holds its KV in a pool sized once for all ranks.
 SHARDABLE_STEPS = STEP_NAMES[STEP_NAMES.index("step06_paged_attention"):]
+FUSED_STEPS = SHARDABLE_STEPS[SHARDABLE_STEPS.index("step13_fused_decode"):]
 EAGER_ON_A_GPU = SHARDABLE_STEPS[:SHARDABLE_STEPS.index("step12_cuda_graph")]  # no graphs to capture gloo in
 TIMEOUT = timedelta(seconds=120)  # a collective that waits longer than this is a rank that died
 
@@ -231,6 +232,9 @@ class TensorParallelEngine:
             raise TensorParallelConfigError(f"gloo's collectives cannot be captured in CUDA graphs: with "
                                             f"--distributed-backend gloo on a GPU, choose --step among "
                                             f"{', '.join(EAGER_ON_A_GPU)}")
+        if (device_type == "cuda" and step_name in FUSED_STEPS and getattr(config, "fused_ops", None) is not False):
+            raise TensorParallelConfigError("step 13's fused kernels read the projections around the model's layers "
+                                            "and would skip their all-reduces: not split yet; add --no-fused-ops")
         torchrun = "RANK" in os.environ
         world = int(os.environ["WORLD_SIZE"]) if torchrun else tensor_parallel_size
         check_world(world, device_type, backend)

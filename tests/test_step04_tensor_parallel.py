@@ -225,3 +225,9 @@ def test_a_rank_that_dies_takes_the_others_down_with_a_clear_error() -> None:
     rest, _ = run.communicate(timeout=60)
     assert run.returncode == 1
     assert "rank 1 exited with code -9" in rest and "stopping every rank" in rest
+
+
+def test_step13s_fused_kernels_are_refused_until_they_are_split() -> None:
+    config = find_step(FINAL).engine_class().config_class(model="tiny-qwen3", device="cuda")
+    with pytest.raises(TensorParallelConfigError, match="not split yet; add --no-fused-ops"):
+        TensorParallelEngine(FINAL, config, 2)
