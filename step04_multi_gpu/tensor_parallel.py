@@ -185,8 +185,7 @@ def follow_rank_zero(launch: Launch, step_name: str, config: EngineConfig) -> No
                 log.record(engine.step())
             elif kind == "report":
                 dist.gather_object(log.report(launch.rank, engine), None, dst=0, group=control)
-            elif kind == "stop":
-                dist.destroy_process_group()
+            elif kind == "stop":  # the process ends here; rank 0 tears the group down once every rank has gone
                 return
 
 
@@ -365,12 +364,11 @@ class TensorParallelEngine:
         for worker in self.workers:
             worker.join(timeout=10 if graceful else 0)
         self.kill_workers()
-        if dist.is_initialized():  # not stopped gracefully: leave this process free to start ranks again
+        if dist.is_initialized():  # every other rank is gone: nobody is left to see the connections close
             dist.destroy_process_group()
 
     def stop_ranks(self) -> None:
         self.send([("stop",)])
-        dist.destroy_process_group()
 
     def __enter__(self) -> TensorParallelEngine:
         return self

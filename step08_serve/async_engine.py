@@ -57,6 +57,9 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        close = getattr(self.engine, "close", None)  # an engine with processes of its own (step 04) stops them
+        if close is not None:
+            close()
 
     @property
     def alive(self) -> bool:

@@ -38,8 +38,9 @@ def step_arguments(step: str) -> Callable[[argparse.ArgumentParser], None] | Non
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, step: str) -> None:
-    """--step, the flags every engine has (those of common/cli.py's command line that build an engine), and
-    the chosen step's own. `EngineConfig.from_args` reads each into the config field of the same name."""
+    """--step, the flags every engine has (those of common/cli.py's command line that build an engine), the
+    chosen step's own, and step 04's (split or replicate it). `EngineConfig.from_args` reads each into the
+    config field of the same name."""
     parser.add_argument("--step", choices=STEP_NAMES, default=step,
                         help=f"which step's engine serves (default {DEFAULT_STEP['cuda']} on a GPU, "
                              f"{DEFAULT_STEP['cpu']} elsewhere); its own flags follow below")
@@ -54,6 +55,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, step: str) -> None:
     add_step_arguments = step_arguments(step)
     if add_step_arguments is not None:
         add_step_arguments(parser)
+    parallel = parser.add_argument_group("several devices (step 04)")
+    parallel.add_argument("--tensor-parallel-size", type=int, default=1,
+                          help="split the model over this many processes, one per GPU (steps 06 and later)")
+    parallel.add_argument("--data-parallel-size", type=int, default=1,
+                          help="this many whole engines, one per GPU, behind a router")
 
 
 def chosen_step(argv: Sequence[str] | None) -> str:
@@ -77,11 +83,6 @@ def build_parser(step: str) -> argparse.ArgumentParser:
     server.add_argument("--dry-run", action="store_true",
                         help="serve a tiny model in-process and call it with the openai SDK")
     add_engine_arguments(p, step)
-    parallel = p.add_argument_group("several devices (step 04)")
-    parallel.add_argument("--tensor-parallel-size", type=int, default=1,
-                          help="split the model over this many processes, one per GPU (steps 06 and later)")
-    parallel.add_argument("--data-parallel-size", type=int, default=1,
-                          help="this many whole engines, one per GPU, behind a router")
     return p
 
 
