@@ -100,6 +100,9 @@ def sharded_engine_class(engine_class: type[Engine], control: dist.ProcessGroup)
     class Sharded(engine_class):  # type: ignore[valid-type, misc]
         def blocks_in_budget(self, config: EngineConfig) -> int:
             blocks = torch.tensor([super().blocks_in_budget(config)])
+            if self.device.type == "cuda" and getattr(config, "kv_memory_gb", None) is None:
+                # Ranks that share a GPU (gloo) each saw its whole free memory: each takes its part of it.
+                blocks //= -(-dist.get_world_size() // torch.cuda.device_count())
             dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=control)
             return int(blocks)
 
