@@ -148,6 +148,17 @@ speculative() {
     --acceptances 0,0.5,0.7,0.9 --max-tokens 64 --output "$G/speculative-sweep.json"
 }
 
+multi_gpu() {
+  echo "== step 04 on two GPUs (nvidia-h200-x2): the dry run over NCCL, tensor parallel 2 against 1, replicas 2 against 1, a burst through the server over 2 ranks"
+  echo "   (step 12's engine: step 13's fused kernels are not split yet)"
+  python step04_multi_gpu/run.py --dry-run --device cuda --step step12_cuda_graph 2>&1 | tee "$G/step04-dry-run-nccl.txt"
+  python step04_multi_gpu/bench_tensor_parallel.py "${SEVEN_B[@]}" --sizes 1,2 --batch-sizes 1,8,64 \
+    --step step12_cuda_graph --output "$G/tensor-parallel.json"
+  python step04_multi_gpu/bench_replicas.py --device cuda --model random:qwen3-0.6b --sizes 1,2 --output "$G/replicas.json"
+  python step09_chunked_prefill/bench_burst_serve.py "${SEVEN_B[@]}" --step step12_cuda_graph --tensor-parallel-size 2 \
+    --bursts 64x2000 --output "$G/burst-serve-tp2.json"
+}
+
 # The final engine with speculation off against an older tree's, in the same call, as ratios: OLD_TREE=runs/tree-old
 # (made with `git archive <commit> | tar -x -C runs/tree-old`, and carried) and OLD_COMMIT=<commit> name it.
 in_both_trees() {
