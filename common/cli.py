@@ -85,7 +85,7 @@ def fail(err: Exception) -> int:
 MINIMUMS: dict[str, int] = {
     "max_tokens": 1, "prompt_len": 1, "repeats": 1, "max_num_seqs": 1, "max_model_len": 1, "block_size": 1,
     "num_blocks": 1, "max_graph_batch": 1, "max_num_batched_tokens": 1, "temperature": 0, "hf_static_max_batch": 0,
-    "tensor_parallel_size": 1, "data_parallel_size": 1,
+    "tensor_parallel_size": 1, "data_parallel_size": 1, "profile": 1,
 }
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the names EngineConfig.resolved_dtype accepts
@@ -182,6 +182,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", type=Path, help="one prompt per line (write \\n for a newline), chat-templated")
     p.add_argument("--output-json", type=Path, help="write [{prompt, token_ids, text, finish_reason}] here")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with HF generate()")
+    p.add_argument("--profile", type=int, nargs="?", const=8, default=None, metavar="STEPS",
+                   help="profile STEPS engine steps (default 8) after 2 to warm up: a trace under runs/profile/ "
+                        "for https://ui.perfetto.dev, and where each step's time went, phase by phase (step 05)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--dry-run", action="store_true", help="tiny random models of each architecture, checked")
     mode.add_argument("--bench", action="store_true", help="throughput against HF generate(); writes JSON evidence")
@@ -221,7 +224,7 @@ def main(
             return dry_run(engine_class, args)
         if args.bench:
             return bench(engine_class, step_name, args)
-        return run_prompts(engine_class, args)
+        return run_prompts(engine_class, args, step_name)
     except (ModelLoadError, ValueError) as err:  # CommandLineError is a ValueError
         return fail(err)
 
@@ -249,9 +252,9 @@ def report_parity(engine: Engine, prompt_ids: list[list[int]], completions: list
     return ok
 
 
-def run_prompts(engine_class: type[Engine], args: argparse.Namespace) -> int:
+def run_prompts(engine_class: type[Engine], args: argparse.Namespace, step_name: str) -> int:
     """The default run: generate for each prompt, print it, and check it against HF generate()."""
-    from common.bench import write_json  # loads torch: only once the command line is accepted
+    from common.bench import default_output, write_json  # loads torch: only once the command line is accepted
     from common.sampling import SamplingParams
 
     prompts = read_prompts(args.prompts_file)
@@ -261,7 +264,13 @@ def run_prompts(engine_class: type[Engine], args: argparse.Namespace) -> int:
     prompt_ids = [engine.tokenizer.apply_chat_template(p) for p in prompts]
     params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed)
     start = time.perf_counter()
-    completions = engine.generate(prompt_ids, params)
+    if args.profile:  # the same generation, some of its steps under the profiler (step 05)
+        from step05_profiling.profiler import format_report, profile_generate
+
+        trace = default_output("profile", step_name, engine.device.type, args.model)
+        completions, report = profile_generate(engine, prompt_ids, params, args.profile, trace)
+    else:
+        completions = engine.generate(prompt_ids, params)
     elapsed = time.perf_counter() - start
     for prompt, c in zip(prompts, completions):
         print(f"\n>>> {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason.value}]")
@@ -269,6 +278,8 @@ def run_prompts(engine_class: type[Engine], args: argparse.Namespace) -> int:
     print(f"\n{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tok/s ({len(prompts)} prompts together)")
     if engine.memory_report():
         print(engine.memory_report())
+    if args.profile:
+        print(f"\n[profile] {format_report(report)}\n(the tok/s above include the profiler's own cost)")
     if args.output_json:
         rows = [
             {"prompt": p, "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason.value}

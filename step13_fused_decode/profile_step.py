@@ -31,24 +31,8 @@ from common.loading import LoadedModel, load_model
 from common.sampling import SamplingParams
 from step06_paged_attention.kernel_bench import copy_bandwidth_gbs
 from step12_cuda_graph.decode_graphs import DecodeBatch
+from step05_profiling.kernels import category_of  # the one list of kernel names, shared with step 05's profiler
 from step13_fused_decode.engine import FusedDecodeEngine, FusedDecodeEngineConfig
-
-# Our attention kernels, by how their names begin (leading underscores aside): step 06's paged_decode_split_kernel,
-# merge_splits_kernel and kv_write_kernel, and step 13's PDL twins (_paged_decode_split_pdl_kernel, ...). A prefix,
-# not a substring: step 13's fused _rope_and_kv_write_kernel stays in "other".
-OUR_ATTENTION = ("paged_decode", "merge_splits", "write_kv", "kv_write")
-CATEGORIES = {  # after our attention, first match wins, anywhere in the lower-cased kernel name
-    "matrix multiply": ("gemm", "gemv", "cutlass", "sm90_", "cublas", "splitk", "_skinny_matmul"),
-    "element-wise and reductions": ("elementwise", "vectorized", "reduce", "index", "cat", "copy", "fill"),
-}
-
-
-def category_of(kernel: str) -> str:
-    name = kernel.lower()
-    if name.lstrip("_").startswith(OUR_ATTENTION):
-        return "attention (ours)"
-    return next((c for c, keys in CATEGORIES.items() if any(k in name for k in keys)), "other")
-
 
 VARIANTS = {"plain": {"fused_ops": False},
             "fused ops, cuBLAS": {"fused_ops": True, "skinny_matmul": False, "pdl": False},

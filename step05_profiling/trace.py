@@ -1,0 +1,226 @@
+"""Reading a profiler trace: where each engine step's time went, from the trace file alone.
+
+A trace (`torch.profiler`'s `export_chrome_trace`, the file Perfetto and chrome://tracing open) is a list of
+events, each with a category, a name, a thread, a start `ts` and a duration `dur` in microseconds:
+
+    user_annotation   our ranges: "engine step", the phases (phases.py), "attention"
+    cpu_op            a PyTorch operator the host ran (aten::mm, aten::item, ...)
+    cuda_runtime,     calls into CUDA on the host: kernel and graph launches, copies, synchronizations
+    cuda_driver
+    kernel            a kernel as the GPU ran it; args.correlation names the launch that queued it
+
+`read_steps` turns that into one `StepProfile` per engine step: each phase's own host time, the GPU time of
+the kernels each phase launched, launches, kernels, synchronizations, and how the GPU spent the step's
+window (`breakdown`). Host and GPU timestamps share one clock, so a GPU gap can be laid against what the
+host was doing at the time.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from step05_profiling.kernels import ATTENTION, MATMUL, category_of
+from step05_profiling.phases import ATTENTION_RANGE, PHASES, STEP_RANGE
+
+# Host calls that wait for the GPU. On a CPU nothing waits, but an `.item()` still shows as an operator:
+# it is the call a GPU would wait on, so a CPU profile counts those instead.
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+CPU_SYNC_OPS = ("aten::item",)
+MATMUL_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul")  # a layer's weights, on a CPU
+
+# Where a decode step's time goes, in the order the lesson stacks its bars (bottom first).
+BREAKDOWN = ("weight read", "matmul above the weight read", "attention", "element-wise and other kernels",
+             "launch gaps", "host work not hidden")
+
+
+@dataclass
+class Event:
+    cat: str
+    name: str
+    tid: int
+    start: float  # microseconds, on the clock host and GPU share
+    dur: float
+    correlation: int | None = None
+
+    @property
+    def end(self) -> float:
+        return self.start + self.dur
+
+
+@dataclass
+class StepProfile:
+    """One engine step. Times in milliseconds."""
+    ms: float
+    host_ms: dict[str, float]  # each phase's own time (less the phases inside it), and "not in a phase"
+    gpu_ms: dict[str, float]  # the kernels each phase launched
+    kernels_by_phase: dict[str, int]
+    launches: int  # kernel and graph launches the host made
+    kernels: int  # kernels the GPU ran for this step's launches
+    syncs: int
+    gpu_busy_ms: float  # within the step's window, whoever launched the work
+    breakdown: dict[str, float] = field(default_factory=dict)  # BREAKDOWN's categories; they add up to `ms`
+
+
+def load_events(path: str | Path) -> list[Event]:
+    """The complete events ("ph": "X") of a Chrome trace file."""
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)["traceEvents"]
+    return [Event(e.get("cat", ""), e["name"], e.get("tid", 0), float(e["ts"]), float(e.get("dur", 0.0)),
+                  (e.get("args") or {}).get("correlation"))
+            for e in raw if e.get("ph") == "X" and "ts" in e]
+
+
+def nesting(ranges: list[Event]) -> list[tuple[Event, float, int]]:
+    """Each range, sorted by start, with its own time (its duration less that of the ranges directly inside
+    it) and its depth (0: inside none of the others)."""
+    ranges = sorted(ranges, key=lambda e: (e.start, -e.dur))
+    own = {id(r): r.dur for r in ranges}
+    depth = {}
+    stack: list[Event] = []
+    for r in ranges:
+        while stack and stack[-1].end <= r.start:
+            stack.pop()
+        if stack:
+            own[id(stack[-1])] -= r.dur
+        depth[id(r)] = len(stack)
+        stack.append(r)
+    return [(r, own[id(r)], depth[id(r)]) for r in ranges]
+
+
+def innermost(ranges: list[Event], at: float) -> str | None:
+    """The name of the innermost of `ranges` (sorted by start, nested) that holds the instant `at`."""
+    name = None
+    for r in ranges[: bisect_right([r.start for r in ranges], at)]:
+        if r.start <= at < r.end:
+            name = r.name  # later starts lie inside earlier ones: the last holding `at` is innermost
+    return name
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two lists of disjoint, sorted intervals."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def read_steps(events: list[Event], weight_read_ms: float, on_gpu: bool) -> list[StepProfile]:
+    """One StepProfile per "engine step" range, in order. `weight_read_ms`: reading every weight once at the
+    device's copy bandwidth, the part of the matrix multiplies no kernel can avoid."""
+    steps = sorted((e for e in events if e.cat == "user_annotation" and e.name == STEP_RANGE), key=lambda e: e.start)
+    if not steps:
+        return []
+    host = steps[0].tid
+    phases = sorted((e for e in events if e.cat == "user_annotation" and e.name in PHASES and e.tid == host),
+                    key=lambda e: (e.start, -e.dur))
+    attention = [e for e in events if e.cat == "user_annotation" and e.name == ATTENTION_RANGE and e.tid == host]
+    ops = [e for e in events if e.cat == "cpu_op" and e.tid == host]
+    calls = [e for e in events if e.cat in ("cuda_runtime", "cuda_driver")]
+    launch_at = {e.correlation: e.start for e in calls if "Launch" in e.name and e.correlation is not None}
+    kernels = [e for e in events if e.cat == "kernel" and e.correlation in launch_at]
+    out = []
+    for step in steps:
+        def inside(e: Event) -> bool:
+            return step.start <= e.start < step.end  # noqa: B023 - used within this iteration
+
+        mine = [p for p in phases if inside(p)]
+        host_ms = dict.fromkeys(PHASES, 0.0)
+        outermost = 0.0
+        for phase, own, depth in nesting(mine):
+            host_ms[phase.name] += own / 1e3
+            outermost += phase.dur if depth == 0 else 0.0
+        host_ms["not in a phase"] = (step.dur - outermost) / 1e3
+        launched = [k for k in kernels if step.start <= launch_at[k.correlation] < step.end]
+        gpu_ms = dict.fromkeys(PHASES, 0.0)
+        by_phase = dict.fromkeys(PHASES, 0)
+        for k in launched:
+            phase = innermost(mine, launch_at[k.correlation]) or "not in a phase"
+            gpu_ms[phase] = gpu_ms.get(phase, 0.0) + k.dur / 1e3
+            by_phase[phase] = by_phase.get(phase, 0) + 1
+        window = [(step.start, step.end)]
+        busy = merged([(max(k.start, step.start), min(k.end, step.end)) for k in kernels
+                       if k.end > step.start and k.start < step.end])
+        syncs = (sum(1 for c in calls if inside(c) and c.name.startswith(SYNC_CALLS)) if on_gpu
+                 else sum(1 for o in ops if inside(o) and o.name in CPU_SYNC_OPS))
+        profile = StepProfile(step.dur / 1e3, host_ms, gpu_ms, by_phase,
+                              sum(1 for c in calls if inside(c) and "Launch" in c.name), len(launched), syncs,
+                              overlap(busy, window) / 1e3)
+        forward = merged([(p.start, p.end) for p in mine if p.name == "forward"])
+        if on_gpu:
+            profile.breakdown = gpu_breakdown(step, kernels, busy, forward, weight_read_ms)
+        else:
+            profile.breakdown = cpu_breakdown(step, [o for o in ops if inside(o)],
+                                              [a for a in attention if inside(a)], forward, weight_read_ms)
+        out.append(profile)
+    return out
+
+
+def split_matmul(parts: dict[str, float], matmul_ms: float, weight_read_ms: float) -> None:
+    """The matrix multiplies' time as the weight read (at most what they took) and what lies above it."""
+    parts["weight read"] = min(matmul_ms, weight_read_ms)
+    parts["matmul above the weight read"] = matmul_ms - parts["weight read"]
+
+
+def gpu_breakdown(step: Event, kernels: list[Event], busy: list[tuple[float, float]],
+                  forward: list[tuple[float, float]], weight_read_ms: float) -> dict[str, float]:
+    """The step's window on the GPU: kernel time by kind, and idle time split by what the host was doing,
+    launching the forward (launch gaps) or anything else (host work the GPU waited for)."""
+    by_kind = {MATMUL: 0.0, ATTENTION: 0.0, "other": 0.0}
+    for k in kernels:
+        clipped = min(k.end, step.end) - max(k.start, step.start)
+        if clipped > 0:
+            kind = category_of(k.name)
+            by_kind[kind if kind in by_kind else "other"] += clipped / 1e3
+    idle = []
+    cursor = step.start
+    for start, end in busy:
+        if start > cursor:
+            idle.append((cursor, start))
+        cursor = max(cursor, end)
+    if cursor < step.end:
+        idle.append((cursor, step.end))
+    launch_gaps = overlap(idle, forward) / 1e3
+    parts: dict[str, float] = {}
+    split_matmul(parts, by_kind[MATMUL], weight_read_ms)
+    parts["attention"] = by_kind[ATTENTION]
+    parts["element-wise and other kernels"] = by_kind["other"]
+    parts["launch gaps"] = launch_gaps
+    parts["host work not hidden"] = sum(e - s for s, e in idle) / 1e3 - launch_gaps
+    return parts
+
+
+def cpu_breakdown(step: Event, ops: list[Event], attention: list[Event], forward: list[tuple[float, float]],
+                  weight_read_ms: float) -> dict[str, float]:
+    """The same categories on a CPU, where the host runs the kernels: the forward's operators by kind, the
+    interpreter's time between them (the CPU's launch gaps), and the rest of the step."""
+    attention_ms = sum(a.dur for a in attention) / 1e3
+    inside_forward = [o for o in ops if any(s <= o.start < e for s, e in forward)
+                      and not any(a.start <= o.start < a.end for a in attention)]
+    top = [o for o, _, depth in nesting(inside_forward) if depth == 0]  # an operator, not one it called
+    matmul_ms = sum(o.dur for o in top if o.name in MATMUL_OPS) / 1e3
+    other_ms = sum(o.dur for o in top if o.name not in MATMUL_OPS) / 1e3
+    forward_ms = sum(e - s for s, e in forward) / 1e3
+    parts: dict[str, float] = {}
+    split_matmul(parts, matmul_ms, weight_read_ms)
+    parts["attention"] = attention_ms
+    parts["element-wise and other kernels"] = other_ms
+    parts["launch gaps"] = max(0.0, forward_ms - attention_ms - matmul_ms - other_ms)
+    parts["host work not hidden"] = step.dur / 1e3 - forward_ms
+    return parts
