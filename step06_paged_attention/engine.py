@@ -76,9 +76,11 @@ class PagedAttentionEngine(PagedEngine):
         cu_q_lens = torch.zeros(len(q_lens) + 1, dtype=torch.int32, device=device)
         cu_q_lens[1:] = q_lens_t.cumsum(0)
         # Each new token's request and position; its slot follows from the block table.
-        owner = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens_t)
+        # output_size: without it, repeat_interleave reads the counts' sum back from the device (a sync).
+        total = sum(q_lens)
+        owner = torch.repeat_interleave(torch.arange(len(q_lens), device=device), q_lens_t, output_size=total)
         first_new = seq_lens_t.long() - q_lens_t
-        positions = first_new[owner] + torch.arange(int(sum(q_lens)), device=device) - cu_q_lens[:-1].long()[owner]
+        positions = first_new[owner] + torch.arange(total, device=device) - cu_q_lens[:-1].long()[owner]
         slots = block_table[owner, positions // size].long() * size + positions % size
         meta = AttentionMetadata(
             is_prefill=is_prefill, slot_mapping=slots, block_table=block_table, seq_lens=seq_lens_t,

@@ -1,0 +1,168 @@
+"""Step 05: where a step's time goes, for every step, on one workload.
+
+Each step's engine (one at a time, on one shared model) gets `--batch` requests of `--prompt-len` tokens,
+runs until they all decode, then `--profile-steps` steps under the profiler. Each step's trace goes to
+runs/profile/traces/, and one evidence file holds every step's table and breakdown, with its plot beside it.
+
+    .venv/bin/python step05_profiling/run.py                                  # every step, embedded model, CPU
+    .venv/bin/python step05_profiling/run.py --steps step01_serial,step06_paged_attention
+    .venv/bin/python step05_profiling/run.py --device cuda --model random:qwen2.5-7b
+    .venv/bin/python step05_profiling/run.py --dry-run          # steps 01, 06, 09 on a tiny model, traces checked
+
+Any step's own run.py profiles its own run: `step06_paged_attention/run.py --profile`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_names
+from common.config import EMBEDDED_MODEL
+from common.steps import STEP_NAMES
+
+if TYPE_CHECKING:  # torch and the engines load once the command line is accepted
+    from common.engine import Engine, EngineConfig
+    from common.loading import LoadedModel
+    from step05_profiling.profiler import ProfileReport
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A row of the table: a step's engine, with some of its switches set."""
+    name: str
+    step: str
+    switches: dict = field(default_factory=dict)
+
+
+# The seed's bug, kept in step 06 as an ablation: a host read in every layer (see the lesson).
+SYNC_PER_LAYER = Variant("step06 --sync-per-layer", "step06_paged_attention", {"sync_per_layer": True})
+VARIANTS = {**{name: Variant(name, name) for name in STEP_NAMES}, "step06_sync_per_layer": SYNC_PER_LAYER}
+DRY_RUN_STEPS = ("step01_serial", "step06_paged_attention", "step09_chunked_prefill")
+PHASE_TOLERANCE = 0.10  # the named phases must cover all but this share of a step
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=EMBEDDED_MODEL)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--steps", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {','.join(VARIANTS)} (default: all)")
+    p.add_argument("--batch", type=int, default=8, help="requests decoding together (default 8)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--profile-steps", type=int, default=8, help="engine steps profiled per row (default 8)")
+    p.add_argument("--dry-run", action="store_true", help="steps 01, 06 and 09 on tiny-llama: traces checked")
+    p.add_argument("--output", type=Path, help="evidence file (default runs/profile/steps-<device>-<model>.json)")
+    return p
+
+
+def decoding_engine(variant: Variant, loaded: LoadedModel, config: EngineConfig, batch: int, prompt_len: int,
+                    steps: int) -> Engine:
+    """`variant`'s engine on the shared model, its `batch` requests past their prefill and decoding."""
+    from dataclasses import replace
+
+    from common.bench import fixed_workload
+    from common.sampling import SamplingParams
+    from compare import build_engine
+    from step02_paged_kv.engine import PagedEngineConfig
+
+    workload = fixed_workload(batch, prompt_len, seed=0)
+    max_tokens = 4 * steps + 32  # room for the warm-up and the profiled steps, even if some take several tokens
+    blocks = batch * -(-(prompt_len + max_tokens) // 16) + 8
+    base = PagedEngineConfig(model=config.model, device=str(loaded.model.device), dtype=config.dtype)
+    engine = build_engine(variant.step, loaded, base, blocks, "auto", batch)
+    for name, value in variant.switches.items():
+        engine.config = replace(engine.config, **{name: value})
+    for prompt in workload.prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    while engine.waiting or not all(r.output_token_ids for r in engine.running):
+        engine.step()
+    for _ in range(2):  # and a first few decode steps: buckets chosen, caches warm
+        engine.step()
+    return engine
+
+
+def profile_variant(variant: Variant, loaded: LoadedModel, config: EngineConfig, args: argparse.Namespace,
+                    trace: Path) -> ProfileReport:
+    from step05_profiling.profiler import profile_steps
+
+    engine = decoding_engine(variant, loaded, config, args.batch, args.prompt_len, args.profile_steps)
+    report = profile_steps(engine, args.profile_steps, trace)
+    for request_id in list(engine.requests):
+        engine.abort(request_id)  # the rest of the generation would tell nothing more
+    return report
+
+
+def check_report(name: str, report: ProfileReport) -> bool:
+    """The dry run's checks: the trace is JSON with every phase's range, and the phases cover the step."""
+    import json
+
+    from step05_profiling.phases import STEP_RANGE
+
+    with open(report.trace, encoding="utf-8") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    missing = {STEP_RANGE, "forward", "sample", "process outputs", "detokenize", "prepare inputs"} - names
+    s = report.summary()
+    uncovered = s["host_ms"]["not in a phase"] / s["step_ms"]
+    ok = not missing and uncovered <= PHASE_TOLERANCE
+    print(f"[dry run] {name}: trace {report.trace}, ranges missing: {sorted(missing) or 'none'}, "
+          f"{uncovered:.1%} of the step in no phase (at most {PHASE_TOLERANCE:.0%}): {'OK' if ok else 'FAILED'}")
+    return ok
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+        names = list(DRY_RUN_STEPS) if args.dry_run else parse_names("--steps", args.steps, VARIANTS)
+        for flag, value in (("--batch", args.batch), ("--prompt-len", args.prompt_len),
+                            ("--profile-steps", args.profile_steps)):
+            check_at_least(flag, value, 1)
+    except CommandLineError as err:
+        return fail(err)
+    import torch
+
+    from common.bench import RUNS_DIR, default_output, evidence_header, write_json
+    from common.engine import EngineConfig
+    from common.loading import ModelLoadError, load_model
+    from compare import release_memory
+    from step05_profiling.profiler import format_report, report_dict
+
+    model = "tiny-llama" if args.dry_run else args.model
+    config = EngineConfig(model=model, device=args.device, dtype="float32" if args.dry_run else args.dtype)
+    try:
+        loaded = load_model(model, config.resolved_device(), config.resolved_dtype())
+    except ModelLoadError as err:
+        return fail(err)
+    device = loaded.model.device
+    header = evidence_header(device, model, loaded.model.dtype, batch=args.batch, prompt_len=args.prompt_len,
+                             profile_steps=args.profile_steps, torch_threads=torch.get_num_threads())
+    rows, ok = [], True
+    for name in names:
+        variant = VARIANTS[name]
+        trace = RUNS_DIR / "profile" / "traces" / f"{variant.step}{'-'.join(['', *variant.switches])}-{device.type}.json"
+        report = profile_variant(variant, loaded, config, args, trace)
+        print(f"\n[{variant.name}] {format_report(report)}", flush=True)
+        rows.append({"variant": variant.name, "step": variant.step, **report_dict(report)})
+        ok &= check_report(variant.name, report) if args.dry_run else True
+        release_memory(device)
+    if args.dry_run:
+        print(f"dry run {'OK' if ok else 'FAILED'}")
+        return 0 if ok else 1
+    output = args.output or default_output("profile", "steps", device.type, model)
+    write_json(output, header | {"rows": rows})
+    try:
+        from scripts.plot_profile import write_plot
+
+        print(f"wrote {write_plot(output, output.with_suffix('.png'))}")
+    except ImportError as err:  # matplotlib is a test extra, not a dependency of the engine
+        print(f"no plot written ({err}); pip install matplotlib, then python scripts/plot_profile.py {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
