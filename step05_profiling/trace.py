@@ -121,6 +121,15 @@ def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float
     return total
 
 
+def count_syncs(events: list[Event], on_gpu: bool) -> int:
+    """How many times the host waited for the device among `events` (one step's host events): on a GPU the CUDA
+    calls that block until the device is done (SYNC_CALLS, by how their names begin); on a CPU the operators
+    a GPU would wait on (CPU_SYNC_OPS)."""
+    if on_gpu:
+        return sum(1 for e in events if e.cat in ("cuda_runtime", "cuda_driver") and e.name.startswith(SYNC_CALLS))
+    return sum(1 for e in events if e.cat == "cpu_op" and e.name in CPU_SYNC_OPS)
+
+
 def read_steps(events: list[Event], weight_read_ms: float, on_gpu: bool) -> list[StepProfile]:
     """One StepProfile per "engine step" range, in order. `weight_read_ms`: reading every weight once at the
     device's copy bandwidth, the part of the matrix multiplies no kernel can avoid."""
@@ -157,8 +166,7 @@ def read_steps(events: list[Event], weight_read_ms: float, on_gpu: bool) -> list
         window = [(step.start, step.end)]
         busy = merged([(max(k.start, step.start), min(k.end, step.end)) for k in kernels
                        if k.end > step.start and k.start < step.end])
-        syncs = (sum(1 for c in calls if inside(c) and c.name.startswith(SYNC_CALLS)) if on_gpu
-                 else sum(1 for o in ops if inside(o) and o.name in CPU_SYNC_OPS))
+        syncs = count_syncs([e for e in (calls if on_gpu else ops) if inside(e)], on_gpu)
         profile = StepProfile(step.dur / 1e3, host_ms, gpu_ms, by_phase,
                               sum(1 for c in calls if inside(c) and "Launch" in c.name), len(launched), syncs,
                               overlap(busy, window) / 1e3)

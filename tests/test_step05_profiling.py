@@ -1,0 +1,152 @@
+"""Step 05: the profiler's phases, its trace, and the table read back from it.
+
+On the CPU: profiling steps 01, 06 and 09 on a tiny model writes a trace that loads as JSON with the named ranges,
+and the named phases cover all but 10% of each step. The GPU half of the analysis (kernels to phases through
+their launches, synchronizations, the GPU's idle time split by what the host was doing) is checked on a trace
+written by hand, with every number known.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from common.engine import EngineConfig
+from common.loading import load_model
+from common.sampling import SamplingParams
+from step05_profiling import run as profile_run
+from step05_profiling.phases import ENGINE_METHODS, PHASES, STEP_RANGE, instrument
+from step05_profiling.profiler import format_report, profile_steps
+from step05_profiling.trace import BREAKDOWN, Event, nesting, read_steps
+
+TINY = "tiny-llama"
+
+
+def decoding(step: str, switches: dict | None = None):  # noqa: ANN201 - an engine
+    loaded = load_model(TINY)
+    variant = profile_run.Variant(step, step, switches or {})
+    return profile_run.decoding_engine(variant, loaded, EngineConfig(model=TINY, device="cpu", dtype="float32"),
+                                       batch=4, prompt_len=12, steps=4)
+
+
+@pytest.mark.parametrize("step", profile_run.DRY_RUN_STEPS)
+def test_trace_has_the_named_phases_and_they_cover_the_step(step: str, tmp_path: Path) -> None:
+    engine = decoding(step)
+    report = profile_steps(engine, 4, tmp_path / "trace.json")
+    with open(tmp_path / "trace.json", encoding="utf-8") as f:
+        names = [e.get("name") for e in json.load(f)["traceEvents"]]
+    assert names.count(STEP_RANGE) == 4
+    for phase in ("prepare inputs", "forward", "sample", "process outputs", "detokenize"):
+        assert phase in names, phase
+    assert ("schedule" in names) == (step != "step01_serial")  # step 01 admits inline: it has no scheduler
+    for step_profile in report.steps:
+        covered = sum(step_profile.host_ms[p] for p in PHASES)
+        assert covered + step_profile.host_ms["not in a phase"] == pytest.approx(step_profile.ms, rel=1e-6)
+        assert covered >= (1 - profile_run.PHASE_TOLERANCE) * step_profile.ms, step_profile.host_ms
+        assert sum(step_profile.breakdown[c] for c in BREAKDOWN) == pytest.approx(step_profile.ms, rel=1e-6)
+        assert step_profile.host_ms["forward"] > step_profile.host_ms["detokenize"]
+    assert "forward" in format_report(report)
+
+
+def test_profiling_changes_no_token_and_leaves_the_engine_as_it_was(tmp_path: Path) -> None:
+    plain, profiled = decoding("step09_chunked_prefill"), decoding("step09_chunked_prefill")
+    methods = {name: getattr(type(profiled), name) for names in ENGINE_METHODS.values() for name in names
+               if hasattr(profiled, name)}
+    requests = {id(engine): list(engine.requests.values()) for engine in (plain, profiled)}
+    profile_steps(profiled, 3, tmp_path / "trace.json")
+    for engine in (plain, profiled):
+        while engine.has_unfinished():
+            engine.step()
+    tokens = [[r.output_token_ids for r in requests[id(engine)]] for engine in (plain, profiled)]
+    assert tokens[0] == tokens[1] and all(len(t) > 4 for t in tokens[0])
+    assert not {"step", *methods} & set(vars(profiled))  # the instance's wrappers are gone
+    assert "forward" not in vars(profiled.model) and "compute_logits" not in vars(profiled.model)
+    for name, method in methods.items():
+        assert getattr(type(profiled), name) is method
+
+
+def test_profiled_generation_gives_the_same_tokens(tmp_path: Path) -> None:
+    from step01_serial.engine import SerialEngine
+    from step05_profiling.profiler import profile_generate
+
+    loaded = load_model(TINY)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    plain = SerialEngine(loaded, EngineConfig(model=TINY)).generate(prompts, params)
+    profiled, report = profile_generate(SerialEngine(loaded, EngineConfig(model=TINY)), prompts, params, 3,
+                                        tmp_path / "trace.json")
+    assert [c.token_ids for c in profiled] == [c.token_ids for c in plain]
+    assert len(report.steps) == 3
+
+
+def test_sync_per_layer_shows_as_one_host_read_per_layer(tmp_path: Path) -> None:
+    """The seed's bug, as the profiler finds it: step 06's ablation reads a value back in every layer."""
+    layers = load_model(TINY).model.config.num_layers
+    plain = profile_steps(decoding("step06_paged_attention"), 3, tmp_path / "plain.json")
+    synced = profile_steps(decoding("step06_paged_attention", {"sync_per_layer": True}), 3, tmp_path / "sync.json")
+    assert [s.syncs for s in plain.steps] == [0, 0, 0]
+    assert [s.syncs for s in synced.steps] == [layers] * 3
+
+
+def test_run_py_profile_flag_prints_the_table_and_writes_the_trace(capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    from common.cli import main
+
+    monkeypatch.chdir(tmp_path)  # the trace goes to runs/profile/ under the working directory
+    assert main("step06_paged_attention", None, ["--model", TINY, "--max-tokens", "8", "--profile", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "3 steps profiled" in out and "process outputs" in out and "parity with HF generate(): 4/4" in out
+    traces = list((tmp_path / "runs" / "profile").glob("step06_paged_attention-cpu-tiny-llama*.json"))
+    assert len(traces) == 1 and json.loads(traces[0].read_text())["traceEvents"]
+
+
+def test_dry_run_passes() -> None:
+    assert profile_run.main(["--dry-run"]) == 0
+
+
+# ----- the analysis on a GPU trace written by hand ---------------------------------------------------------
+
+
+def ev(cat: str, name: str, start: float, dur: float, correlation: int | None = None, tid: int = 1) -> Event:
+    return Event(cat, name, tid, start, dur, correlation)
+
+
+def test_nesting_gives_own_times_and_depths() -> None:
+    outer = ev("user_annotation", "sample", 0, 100)
+    inner = ev("user_annotation", "forward", 10, 30)
+    innermost = ev("user_annotation", "prepare inputs", 12, 5)
+    after = ev("user_annotation", "process outputs", 100, 20)
+    got = {e.name: (own, depth) for e, own, depth in nesting([after, innermost, outer, inner])}
+    assert got == {"sample": (70, 0), "forward": (25, 1), "prepare inputs": (5, 2), "process outputs": (20, 0)}
+
+
+def test_gpu_trace_kernels_go_to_the_phase_that_launched_them() -> None:
+    """One step of 1000 us: the host schedules (0-100), launches the forward (100-300: two kernels), then waits
+    in sample (300-900, one sync) and processes outputs (900-1000). The GPU runs a matmul 150-650 and an attention
+    kernel 650-750, then idles to the end."""
+    events = [
+        ev("user_annotation", STEP_RANGE, 0, 1000),
+        ev("user_annotation", "schedule", 0, 100),
+        ev("user_annotation", "forward", 100, 200),
+        ev("cuda_runtime", "cudaLaunchKernel", 110, 5, correlation=1),
+        ev("cuda_driver", "cuLaunchKernel", 200, 5, correlation=2),
+        ev("user_annotation", "sample", 300, 600),
+        ev("cuda_runtime", "cudaStreamSynchronize", 320, 500),
+        ev("user_annotation", "process outputs", 900, 100),
+        ev("kernel", "sm90_xmma_gemm_bf16", 150, 500, correlation=1, tid=7),
+        ev("kernel", "paged_decode_split_kernel", 650, 100, correlation=2, tid=7),
+    ]
+    [step] = read_steps(events, weight_read_ms=0.3, on_gpu=True)
+    assert step.ms == 1.0 and step.launches == 2 and step.kernels == 2 and step.syncs == 1
+    assert step.gpu_ms["forward"] == pytest.approx(0.6) and step.kernels_by_phase["forward"] == 2
+    assert step.host_ms["sample"] == pytest.approx(0.6) and step.host_ms["not in a phase"] == pytest.approx(0.0)
+    assert step.gpu_busy_ms == pytest.approx(0.6)
+    assert step.breakdown == pytest.approx({
+        "weight read": 0.3, "matmul above the weight read": 0.2, "attention": 0.1,
+        "element-wise and other kernels": 0.0,
+        "launch gaps": 0.05,  # idle while the host was in the forward: 100-150
+        "host work not hidden": 0.35,  # idle while it scheduled (0-100) and after the kernels (750-1000)
+    })
