@@ -13,6 +13,7 @@ so the table says exactly what the file shows. `--profile` on every step's run.p
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -84,25 +85,48 @@ def weight_read_ms(engine: Engine) -> tuple[float, float]:
     return weight_bytes / (gbs * 1e9) * 1e3, gbs
 
 
+class StepProfiler:
+    """The profiler and the phase ranges over whatever steps `engine` takes between `start()` and `stop()`,
+    for a caller that runs the steps itself (the server's step loop); `profile_steps` is the usual way in."""
+
+    def __init__(self, engine: Engine, trace_path: Path) -> None:
+        self.engine, self.trace_path = engine, trace_path
+        self.on_gpu = engine.device.type == "cuda"
+        self.floor_ms, self.gbs = weight_read_ms(engine)  # measured before: the copy is not part of the trace
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
+        self.prof = profile(activities=activities)
+        self.ranges = ExitStack()
+
+    def start(self) -> None:
+        self.ranges.enter_context(self.prof)
+        self.ranges.enter_context(instrument(self.engine))
+
+    def stop(self) -> ProfileReport:
+        """Stop, write the trace, and read it back; raises ValueError if no step ran meanwhile."""
+        if self.on_gpu:
+            torch.cuda.synchronize()  # the last step's kernels into the trace
+        self.ranges.close()
+        self.trace_path.parent.mkdir(parents=True, exist_ok=True)
+        self.prof.export_chrome_trace(str(self.trace_path))
+        steps = read_steps(load_events(self.trace_path), self.floor_ms, self.on_gpu)
+        if not steps:
+            raise ValueError("no engine step ran while profiling: give the engine requests first")
+        return ProfileReport(str(self.trace_path), str(self.engine.device), steps, self.floor_ms, self.gbs)
+
+
 def profile_steps(engine: Engine, num_steps: int, trace_path: Path) -> ProfileReport:
     """Run up to `num_steps` steps of `engine` (fewer if its requests finish) under the profiler, write the
     trace to `trace_path`, and read it back."""
-    on_gpu = engine.device.type == "cuda"
-    floor_ms, gbs = weight_read_ms(engine)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof, instrument(engine):
+    profiler = StepProfiler(engine, trace_path)
+    profiler.start()
+    try:
         for _ in range(num_steps):
             if not engine.has_unfinished():
                 break
             engine.step()
-        if on_gpu:
-            torch.cuda.synchronize()  # the last step's kernels into the trace
-    trace_path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(trace_path))
-    steps = read_steps(load_events(trace_path), floor_ms, on_gpu)
-    if not steps:
-        raise ValueError("no engine step ran while profiling: give the engine requests first")
-    return ProfileReport(str(trace_path), str(engine.device), steps, floor_ms, gbs)
+    finally:
+        report = profiler.stop()
+    return report
 
 
 def format_report(report: ProfileReport) -> str:

@@ -70,6 +70,7 @@ class OpenAIServer:
         app.include_router(v1)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/profile", self.profile, methods=["POST"], dependencies=[Depends(self.authorize)])
         for refusal in (RequestError, ValueError, EngineDeadError):
             app.add_exception_handler(refusal, error_response)
         return app
@@ -106,6 +107,18 @@ class OpenAIServer:
 
     async def metrics(self) -> Response:
         return Response(self.async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def profile(self, request: Request) -> Response:
+        """Step 05's profiler over the next `steps` engine steps (default 8, at most 1000), answered once they
+        have run: `{"trace": path, "table": text, "summary": {...}}`. It waits for traffic to profile."""
+        try:
+            payload = json.loads(await request.body() or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise RequestError(f"the request body is not valid JSON: {err}") from None
+        steps = payload.get("steps", 8) if isinstance(payload, dict) else None
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 1000:
+            raise RequestError("steps must be a whole number from 1 to 1000", "steps")
+        return JSONResponse(await self.async_engine.profile(steps))
 
     # ----- a request's stages, in order -----------------------------------------------------------------
 

@@ -19,11 +19,15 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.engine import Engine
 from common.request import RequestOutput
 from common.sampling import SamplingParams
 from step08_serve.metrics import ServingMetrics
+
+if TYPE_CHECKING:  # step 05's profiler loads only when a profile is asked for
+    from step05_profiling.profiler import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self._timing: dict[str, _Timing] = {}  # per running request, for TTFT/TPOT
+        self._profiling: _Profiling | None = None  # POST /profile: the next steps run under step 05's profiler
 
     # ----- lifecycle -----------------------------------------------------------------------------------
 
@@ -57,6 +62,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._profiling is not None:  # stopped mid-profile: the engine's own methods are put back
+            self._profiling.profiler.ranges.close()
         close = getattr(self.engine, "close", None)  # an engine with processes of its own (step 04) stops them
         if close is not None:
             close()
@@ -94,6 +101,16 @@ class AsyncEngine:
             if not finished:
                 self._submit(lambda: self._abort(request_id))
 
+    async def profile(self, steps: int) -> dict:
+        """Profile the next `steps` steps the loop takes (step 05): the trace's path, and the table of where
+        their time went. Steps are taken only while requests run: this waits for traffic."""
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        assert self._loop is not None
+        done: asyncio.Future[dict] = self._loop.create_future()
+        self._submit(lambda: self._start_profile(steps, done))
+        return await done
+
     def num_open_streams(self) -> int:
         return len(self._streams)
 
@@ -119,6 +136,31 @@ class AsyncEngine:
             self.metrics.requests_aborted.inc()
         self._timing.pop(request_id, None)
 
+    def _start_profile(self, steps: int, done: asyncio.Future[dict]) -> None:
+        from common.bench import default_output
+        from step05_profiling.profiler import StepProfiler
+
+        if self._profiling is not None:
+            self._call_in_loop(_settle, done, ValueError("a profile is already being taken: wait for its answer"))
+            return
+        trace = default_output("profile", "server", self.engine.device.type, self.engine.config.model)
+        profiler = StepProfiler(self.engine, trace)
+        profiler.start()
+        self._profiling = _Profiling(profiler, steps, done)
+
+    def _count_profiled_step(self) -> None:
+        from step05_profiling.profiler import format_report
+
+        profiling = self._profiling
+        assert profiling is not None
+        profiling.steps_left -= 1
+        if profiling.steps_left > 0 and not self._stopping:
+            return
+        self._profiling = None
+        report = profiling.profiler.stop()
+        answer = {"trace": report.trace, "table": format_report(report), "summary": report.summary()}
+        self._call_in_loop(_settle_with, profiling.done, answer)
+
     def _run(self) -> None:
         try:
             while not self._stopping:
@@ -129,6 +171,8 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
+                if self._profiling is not None:
+                    self._count_profiled_step()
                 self.metrics.engine_steps.inc()
                 self._record(outputs)
                 self._call_in_loop(self._deliver, outputs)
@@ -175,6 +219,18 @@ class _Timing:
     added_at: float
     first_token_at: float | None = None
     tokens: int = 0
+
+
+@dataclass
+class _Profiling:
+    profiler: StepProfiler
+    steps_left: int
+    done: asyncio.Future[dict]
+
+
+def _settle_with(future: asyncio.Future[dict], result: dict) -> None:
+    if not future.done():  # the client may have gone
+        future.set_result(result)
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

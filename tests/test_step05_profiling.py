@@ -150,3 +150,34 @@ def test_gpu_trace_kernels_go_to_the_phase_that_launched_them() -> None:
         "launch gaps": 0.05,  # idle while the host was in the forward: 100-150
         "host work not hidden": 0.35,  # idle while it scheduled (0-100) and after the kernels (750-1000)
     })
+
+
+def test_server_profiles_the_next_steps_under_traffic(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """POST /profile answers once that many steps have run with requests in flight; a bad value is refused."""
+    import threading
+
+    import httpx
+    from openai import OpenAI
+
+    from step08_serve.api_server import create_app
+    from step08_serve.async_engine import AsyncEngine
+    from step08_serve.launcher import running_server
+    from step09_chunked_prefill.engine import ChunkedPrefillEngine, ChunkedPrefillEngineConfig
+
+    monkeypatch.chdir(tmp_path)
+    engine = ChunkedPrefillEngine(load_model(TINY), ChunkedPrefillEngineConfig(model=TINY, num_blocks=64))
+    with running_server(create_app(AsyncEngine(engine), TINY, TINY)) as url:
+        bad = httpx.post(f"{url}/profile", json={"steps": 0})
+        assert bad.status_code == 400 and "steps" in bad.json()["error"]["message"]
+        answers = []
+        asking = threading.Thread(target=lambda: answers.append(httpx.post(f"{url}/profile", json={"steps": 3},
+                                                                           timeout=120)))
+        asking.start()
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        text = client.completions.create(model=TINY, prompt="one two three", max_tokens=48, temperature=0)
+        asking.join(timeout=120)
+        assert text.choices[0].text is not None and answers and answers[0].status_code == 200
+        answer = answers[0].json()
+        assert answer["summary"]["steps_profiled"] == 3 and "forward" in answer["table"]
+        assert (tmp_path / answer["trace"]).is_file()
+    assert "step" not in vars(engine)  # the profiler let go of the engine
