@@ -51,6 +51,21 @@ decode_profile() {
   python step13_fused_decode/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 --output "$G/decode-profile.json"
 }
 
+profile_steps() {
+  echo "== step 05: every step's decode step at batch 8, phase by phase, and where its time goes (with the traces of"
+  echo "   one eager step and one replayed graph for the lesson's picture); the dry run's traces checked on CUDA"
+  python step05_profiling/run.py --dry-run --device cuda 2>&1 | tee "$G/profile-dry-run-cuda.txt"
+  python step05_profiling/run.py "${SEVEN_B[@]}" --batch 8 --output "$G/profile-steps.json"
+  for step in step11_speculative_decoding step12_cuda_graph; do
+    gzip -c "runs/profile/traces/$step-cuda.json" > "$OUT/trace-$step-cuda.json.gz"
+  done
+  echo "== step 05: Nsight Compute on step 06's paged decode kernel, batch 8 x 2048 tokens of Qwen2.5-7B's heads"
+  ncu --clock-control none --kernel-name regex:paged_decode_split --launch-count 1 \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed \
+    python step06_paged_attention/run.py --kernel-bench --batches 8 --contexts 2048 --repeats 1 \
+    --output "$OUT/kernel-bench-under-ncu.json" 2>&1 | tee "$G/ncu-paged-decode.txt"
+}
+
 overlap() {
   echo "== step 14: a decode step's GPU and host parts, without and with overlap, batch 1, 8, 64"
   python step14_overlap_scheduling/bench_overlap.py "${SEVEN_B[@]}" --batches 1,8,64 --output "$G/overlap.json"
@@ -205,5 +220,5 @@ all_tests() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity decode_small decode_large decode_profile overlap kernels matmul step06_parts preempt serve stall bursts prefix nanovllm speculative checkpoint_memory all_tests)
+[ ${#sections[@]} -gt 0 ] || sections=(parity decode_small decode_large decode_profile profile_steps overlap kernels matmul step06_parts preempt serve stall bursts prefix nanovllm speculative checkpoint_memory all_tests)
 for section in "${sections[@]}"; do "$section"; done
