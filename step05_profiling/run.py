@@ -141,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = loaded.model.device
     header = evidence_header(device, model, loaded.model.dtype, batch=args.batch, prompt_len=args.prompt_len,
                              profile_steps=args.profile_steps, torch_threads=torch.get_num_threads())
+    output = args.output or default_output("profile", "steps", device.type, model)
     rows, ok = [], True
     for name in names:
         variant = VARIANTS[name]
@@ -148,13 +149,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = profile_variant(variant, loaded, config, args, trace)
         print(f"\n[{variant.name}] {format_report(report)}", flush=True)
         rows.append({"variant": variant.name, "step": variant.step, **report_dict(report)})
-        ok &= check_report(variant.name, report) if args.dry_run else True
         release_memory(device)
+        if args.dry_run:
+            ok &= check_report(variant.name, report)
+        else:
+            write_json(output, header | {"rows": rows})  # after every row: a run cut short keeps its figures
     if args.dry_run:
         print(f"dry run {'OK' if ok else 'FAILED'}")
         return 0 if ok else 1
-    output = args.output or default_output("profile", "steps", device.type, model)
-    write_json(output, header | {"rows": rows})
     try:
         from scripts.plot_profile import write_plot
 
