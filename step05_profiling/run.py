@@ -71,7 +71,7 @@ def decoding_engine(variant: Variant, loaded: LoadedModel, config: EngineConfig,
     from step02_paged_kv.engine import PagedEngineConfig
 
     workload = fixed_workload(batch, prompt_len, seed=0)
-    max_tokens = 4 * steps + 32  # room for the warm-up and the profiled steps, even if some take several tokens
+    max_tokens = 8 * steps + 32  # room for the warm-up, the timed and the profiled steps, even at several tokens a step
     blocks = batch * -(-(prompt_len + max_tokens) // 16) + 8
     base = PagedEngineConfig(model=config.model, device=str(loaded.model.device), dtype=config.dtype)
     engine = build_engine(variant.step, loaded, base, blocks, "auto", batch)
@@ -87,14 +87,32 @@ def decoding_engine(variant: Variant, loaded: LoadedModel, config: EngineConfig,
 
 
 def profile_variant(variant: Variant, loaded: LoadedModel, config: EngineConfig, args: argparse.Namespace,
-                    trace: Path) -> ProfileReport:
+                    trace: Path) -> tuple[ProfileReport, float]:
+    """The variant's decode steps timed, then profiled: the report and the unprofiled ms per step."""
     from step05_profiling.profiler import profile_steps
 
     engine = decoding_engine(variant, loaded, config, args.batch, args.prompt_len, args.profile_steps)
+    unprofiled_ms = time_steps(engine, args.profile_steps)
     report = profile_steps(engine, args.profile_steps, trace)
     for request_id in list(engine.requests):
         engine.abort(request_id)  # the rest of the generation would tell nothing more
-    return report
+    return report, unprofiled_ms
+
+
+def time_steps(engine: Engine, steps: int) -> float:
+    """Milliseconds per step over `steps` steps without the profiler, which slows what it watches (every kernel
+    launch most of all): the figure to compare steps by; a profile's own figures say where the time goes."""
+    import time
+
+    import torch
+
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    return (time.perf_counter() - start) / steps * 1e3
 
 
 def check_report(name: str, report: ProfileReport) -> bool:
@@ -146,9 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in names:
         variant = VARIANTS[name]
         trace = RUNS_DIR / "profile" / "traces" / f"{variant.step}{'-'.join(['', *variant.switches])}-{device.type}.json"
-        report = profile_variant(variant, loaded, config, args, trace)
-        print(f"\n[{variant.name}] {format_report(report)}", flush=True)
-        rows.append({"variant": variant.name, "step": variant.step, **report_dict(report)})
+        report, unprofiled_ms = profile_variant(variant, loaded, config, args, trace)
+        print(f"\n[{variant.name}] {format_report(report)}\nwithout the profiler: {unprofiled_ms:.3f} ms per step",
+              flush=True)
+        rows.append({"variant": variant.name, "step": variant.step, "step_ms_unprofiled": unprofiled_ms,
+                     **report_dict(report)})
         release_memory(device)
         if args.dry_run:
             ok &= check_report(variant.name, report)

@@ -25,8 +25,10 @@ from pathlib import Path
 from step05_profiling.kernels import ATTENTION, MATMUL, category_of
 from step05_profiling.phases import ATTENTION_RANGE, PHASES, STEP_RANGE
 
-# Host calls that wait for the GPU. On a CPU nothing waits, but an `.item()` still shows as an operator:
-# it is the call a GPU would wait on, so a CPU profile counts those instead.
+# Host calls that wait for the GPU to finish its queue: PyTorch makes one after every copy it is not told may
+# run on (`.item()`, `.tolist()`, `torch.tensor(a_list, device="cuda")`), an event's `synchronize()`, and
+# the synchronous `cudaMemcpy`. (`cudaMemcpyAsync` alone is not one.) On a CPU nothing waits, but an
+# `.item()` still shows as an operator: it is a call a GPU would wait on, so a CPU profile counts those.
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 CPU_SYNC_OPS = ("aten::item",)
 MATMUL_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul")  # a layer's weights, on a CPU
@@ -123,10 +125,10 @@ def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float
 
 def count_syncs(events: list[Event], on_gpu: bool) -> int:
     """How many times the host waited for the device among `events` (one step's host events): on a GPU the CUDA
-    calls that block until the device is done (SYNC_CALLS, by how their names begin); on a CPU the operators
+    calls that block until the device is done (SYNC_CALLS); on a CPU the operators
     a GPU would wait on (CPU_SYNC_OPS)."""
     if on_gpu:
-        return sum(1 for e in events if e.cat in ("cuda_runtime", "cuda_driver") and e.name.startswith(SYNC_CALLS))
+        return sum(1 for e in events if e.cat in ("cuda_runtime", "cuda_driver") and e.name in SYNC_CALLS)
     return sum(1 for e in events if e.cat == "cpu_op" and e.name in CPU_SYNC_OPS)
 
 
@@ -143,7 +145,7 @@ def read_steps(events: list[Event], weight_read_ms: float, on_gpu: bool) -> list
     ops = [e for e in events if e.cat == "cpu_op" and e.tid == host]
     calls = [e for e in events if e.cat in ("cuda_runtime", "cuda_driver")]
     launch_at = {e.correlation: e.start for e in calls if "Launch" in e.name and e.correlation is not None}
-    kernels = [e for e in events if e.cat == "kernel" and e.correlation in launch_at]
+    kernels = sorted((e for e in events if e.cat == "kernel" and e.correlation in launch_at), key=lambda e: e.start)
     out = []
     for step in steps:
         def inside(e: Event) -> bool:
@@ -172,7 +174,7 @@ def read_steps(events: list[Event], weight_read_ms: float, on_gpu: bool) -> list
                               overlap(busy, window) / 1e3)
         forward = merged([(p.start, p.end) for p in mine if p.name == "forward"])
         if on_gpu:
-            profile.breakdown = gpu_breakdown(step, kernels, busy, forward, weight_read_ms)
+            profile.breakdown = gpu_breakdown(step, kernels, launch_at, busy, forward, weight_read_ms)
         else:
             profile.breakdown = cpu_breakdown(step, [o for o in ops if inside(o)],
                                               [a for a in attention if inside(a)], forward, weight_read_ms)
@@ -186,31 +188,40 @@ def split_matmul(parts: dict[str, float], matmul_ms: float, weight_read_ms: floa
     parts["matmul above the weight read"] = matmul_ms - parts["weight read"]
 
 
-def gpu_breakdown(step: Event, kernels: list[Event], busy: list[tuple[float, float]],
+def gpu_breakdown(step: Event, kernels: list[Event], launch_at: dict, busy: list[tuple[float, float]],
                   forward: list[tuple[float, float]], weight_read_ms: float) -> dict[str, float]:
-    """The step's window on the GPU: kernel time by kind, and idle time split by what the host was doing,
-    launching the forward (launch gaps) or anything else (host work the GPU waited for)."""
+    """The step's window on the GPU: kernel time by kind, and idle time by its cause. Before each idle gap ends,
+    the next kernel was launched either already (the GPU had work queued: a gap between kernels, "launch gaps")
+    or during the gap: then the GPU waited for the host, and the wait counts as a launch gap while the host was
+    launching the forward, as "host work not hidden" while it did anything else."""
     by_kind = {MATMUL: 0.0, ATTENTION: 0.0, "other": 0.0}
     for k in kernels:
         clipped = min(k.end, step.end) - max(k.start, step.start)
         if clipped > 0:
             kind = category_of(k.name)
             by_kind[kind if kind in by_kind else "other"] += clipped / 1e3
-    idle = []
-    cursor = step.start
+    idle, cursor = [], step.start
     for start, end in busy:
         if start > cursor:
             idle.append((cursor, start))
         cursor = max(cursor, end)
     if cursor < step.end:
         idle.append((cursor, step.end))
-    launch_gaps = overlap(idle, forward) / 1e3
+    starts = [k.start for k in kernels]  # kernels sorted by start
+    launch_gaps = host_wait = 0.0
+    for a, b in idle:
+        following = bisect_right(starts, a)  # the first kernel to start after the gap began
+        launched = launch_at[kernels[following].correlation] if following < len(kernels) else float("inf")
+        waited = (a, min(b, max(a, launched)))  # the GPU had nothing queued: it waited for the host
+        in_forward = overlap([waited], forward)
+        launch_gaps += (b - waited[1]) + in_forward
+        host_wait += (waited[1] - waited[0]) - in_forward
     parts: dict[str, float] = {}
     split_matmul(parts, by_kind[MATMUL], weight_read_ms)
     parts["attention"] = by_kind[ATTENTION]
     parts["element-wise and other kernels"] = by_kind["other"]
-    parts["launch gaps"] = launch_gaps
-    parts["host work not hidden"] = sum(e - s for s, e in idle) / 1e3 - launch_gaps
+    parts["launch gaps"] = launch_gaps / 1e3
+    parts["host work not hidden"] = host_wait / 1e3
     return parts
 
 
