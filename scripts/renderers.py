@@ -381,6 +381,42 @@ def render_tensor_parallel(path: str, doc: Doc) -> list[str]:
     return markdown(header, rows, text_columns=0)
 
 
+def step_label(row: Doc) -> str:
+    """A step 05 row's name, short: "06 paged_attention", "06 --sync-per-layer"."""
+    name = row["variant"]
+    return name[4:6] + " " + name[7:] if name.startswith("step") and name[4:6].isdigit() and name[6] == "_" else name
+
+
+def render_step_profile(path: str, doc: Doc) -> list[str]:
+    """step05_profiling/run.py: per step, a decode step's time without and with the profiler, what it launched,
+    how often the host waited for the device, the device's idle time, and the weight read's share of the step."""
+    on_gpu = any(r["kernels"] for r in doc["rows"])  # a CPU runs no kernels: it has no idle time to show
+    rows = [[step_label(r), f"{r['step_ms_unprofiled']:.2f} ms", f"{r['step_ms']:.2f} ms", f"{r['launches']:.0f}",
+             f"{r['kernels']:.0f}", f"{r['syncs']:.0f}",
+             f"{r['step_ms'] - r['gpu_busy_ms']:.2f} ms" if on_gpu else "-",
+             f"{r['weight_read_ms'] / r['step_ms_unprofiled']:.0%}"] for r in doc["rows"]]
+    header = ["step", "step, no profiler", "step, profiled", "launches", "kernels", "syncs", "GPU idle",
+              "weight read / step"]
+    return markdown(header, rows)
+
+
+def render_step_phases(path: str, doc: Doc) -> list[str]:
+    """step05_profiling/run.py: per step, the host's own time in each phase of a profiled decode step, and the
+    device time of the kernels the step launched."""
+    phases = list(doc["rows"][0]["host_ms"])
+    rows = [[step_label(r), *(f"{r['host_ms'][p]:.2f}" for p in phases), f"{sum(r['gpu_ms'].values()):.2f}"]
+            for r in doc["rows"]]
+    return markdown(["step (ms)", *phases, "GPU, all kernels"], rows)
+
+
+def render_step_breakdown(path: str, doc: Doc) -> list[str]:
+    """step05_profiling/run.py: per step, where a profiled decode step's time went, the parts adding up to it."""
+    parts = list(doc["rows"][0]["breakdown_ms"])
+    rows = [[step_label(r), *(f"{r['breakdown_ms'][p]:.2f}" for p in parts), f"{r['step_ms']:.2f}"]
+            for r in doc["rows"]]
+    return markdown(["step (ms)", *parts, "step, profiled"], rows)
+
+
 @dataclass(frozen=True)
 class Renderer:
     kind: str
@@ -411,4 +447,7 @@ RENDERERS = (
     Renderer("oracle", lambda doc: "acceptance" in first(doc, "runs"), render_oracle),
     Renderer("oracle-sweep", lambda doc: "acceptance" in first(doc, "runs"), render_oracle_sweep),
     Renderer("tensor-parallel", lambda doc: "tensor_parallel_size" in first(doc, "runs"), render_tensor_parallel),
+    Renderer("step-profile", lambda doc: "breakdown_ms" in first(doc, "rows"), render_step_profile),
+    Renderer("step-phases", lambda doc: "breakdown_ms" in first(doc, "rows"), render_step_phases),
+    Renderer("step-breakdown", lambda doc: "breakdown_ms" in first(doc, "rows"), render_step_breakdown),
 )

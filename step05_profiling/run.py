@@ -39,7 +39,7 @@ class Variant:
 
 
 # The seed's bug, kept in step 06 as an ablation: a host read in every layer (see the lesson).
-SYNC_PER_LAYER = Variant("step06 --sync-per-layer", "step06_paged_attention", {"sync_per_layer": True})
+SYNC_PER_LAYER = Variant("step06_paged_attention --sync-per-layer", "step06_paged_attention", {"sync_per_layer": True})
 VARIANTS = {**{name: Variant(name, name) for name in STEP_NAMES}, "step06_sync_per_layer": SYNC_PER_LAYER}
 DRY_RUN_STEPS = ("step01_serial", "step06_paged_attention", "step09_chunked_prefill")
 PHASE_TOLERANCE = 0.10  # the named phases must cover all but this share of a step
