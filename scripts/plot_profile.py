@@ -17,7 +17,25 @@ from pathlib import Path
 COLORS = ("#1f4e79", "#5b9bd5", "#70ad47", "#ffc000", "#ed7d31", "#c00000")  # BREAKDOWN's order
 
 
-def write_plot(evidence: Path, output: Path) -> Path:
+def short_name(variant: str) -> str:
+    """"step06_paged_attention --sync-per-layer" -> "06 paged_attention\n--sync-per-layer"."""
+    name = variant[4:] if variant.startswith("step") else variant
+    return name.replace("_", " ", 1).replace(" --", "\n--")
+
+
+def draw(ax, rows: list[dict], parts: list[str]) -> None:  # noqa: ANN001 - a matplotlib Axes
+    labels = [short_name(row["variant"]) for row in rows]
+    bottom = [0.0] * len(rows)
+    for part, color in zip(parts, COLORS):
+        values = [row["breakdown_ms"][part] for row in rows]
+        ax.bar(labels, values, bottom=bottom, color=color, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("ms per engine step (profiled)")
+    ax.tick_params(axis="x", labelsize=7, labelrotation=60)
+
+
+def write_plot(evidence: Path, output: Path, zoom_below_ms: float = 15.0) -> Path:
+    """Every row, and beside it the fast rows alone (under `zoom_below_ms`), on a scale where their parts show."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,19 +44,17 @@ def write_plot(evidence: Path, output: Path) -> Path:
     doc = json.loads(Path(evidence).read_text(encoding="utf-8"))
     rows = doc["rows"]
     parts = list(rows[0]["breakdown_ms"])
-    labels = [row["variant"].replace("_", "\n", 1) for row in rows]
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows)), 5))
-    bottom = [0.0] * len(rows)
-    for part, color in zip(parts, COLORS):
-        values = [row["breakdown_ms"][part] for row in rows]
-        ax.bar(labels, values, bottom=bottom, color=color, label=part)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("ms per engine step")
-    ax.set_title(f"Where a decode step's time goes: batch {doc['batch']}, {doc['model']} ({doc['dtype']}), "
-                 f"{doc['device']}, commit {doc['git_commit'][:10]}", fontsize=9)
-    ax.set_yscale("log" if max(bottom) / max(min(bottom), 1e-9) > 30 else "linear")
-    ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=8)
+    fast = [row for row in rows if row["step_ms"] < zoom_below_ms]
+    fig, axes = plt.subplots(1, 2 if fast else 1, figsize=(13, 5.5), squeeze=False,
+                             gridspec_kw={"width_ratios": [len(rows), max(len(fast), 1) + 1]} if fast else None)
+    draw(axes[0][0], rows, parts)
+    axes[0][0].set_title("every step", fontsize=9)
+    if fast:
+        draw(axes[0][1], fast, parts)
+        axes[0][1].set_title(f"the steps under {zoom_below_ms:.0f} ms, closer", fontsize=9)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"Where a decode step's time goes: batch {doc['batch']}, {doc['model']} ({doc['dtype']}), "
+                 f"{doc['device']}, commit {doc['git_commit'][:10]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(output, dpi=110)
     plt.close(fig)

@@ -188,18 +188,38 @@ def split_matmul(parts: dict[str, float], matmul_ms: float, weight_read_ms: floa
     parts["matmul above the weight read"] = matmul_ms - parts["weight read"]
 
 
+def busy_by_kind(step: Event, kernels: list[Event]) -> dict[str, float]:
+    """The GPU's busy time in the step's window (ms) by kind of kernel. Kernels may overlap (step 13's
+    programmatic dependent launch starts one before the last ends): an instant shared by several kernels is
+    split evenly between them, so the kinds add up to the busy time, not to more."""
+    by_kind = {MATMUL: 0.0, ATTENTION: 0.0, "other": 0.0}
+    edges = []
+    for k in kernels:
+        start, end = max(k.start, step.start), min(k.end, step.end)
+        if end > start:
+            kind = category_of(k.name)
+            kind = kind if kind in by_kind else "other"
+            edges += [(start, 1, kind), (end, -1, kind)]
+    edges.sort(key=lambda e: (e[0], e[1]))
+    active = dict.fromkeys(by_kind, 0)
+    last = None
+    for at, change, kind in edges:
+        running = sum(active.values())
+        if last is not None and running and at > last:
+            for name, count in active.items():
+                by_kind[name] += (at - last) * count / running / 1e3
+        active[kind] += change
+        last = at
+    return by_kind
+
+
 def gpu_breakdown(step: Event, kernels: list[Event], launch_at: dict, busy: list[tuple[float, float]],
                   forward: list[tuple[float, float]], weight_read_ms: float) -> dict[str, float]:
     """The step's window on the GPU: kernel time by kind, and idle time by its cause. Before each idle gap ends,
     the next kernel was launched either already (the GPU had work queued: a gap between kernels, "launch gaps")
     or during the gap: then the GPU waited for the host, and the wait counts as a launch gap while the host was
     launching the forward, as "host work not hidden" while it did anything else."""
-    by_kind = {MATMUL: 0.0, ATTENTION: 0.0, "other": 0.0}
-    for k in kernels:
-        clipped = min(k.end, step.end) - max(k.start, step.start)
-        if clipped > 0:
-            kind = category_of(k.name)
-            by_kind[kind if kind in by_kind else "other"] += clipped / 1e3
+    by_kind = busy_by_kind(step, kernels)
     idle, cursor = [], step.start
     for start, end in busy:
         if start > cursor:

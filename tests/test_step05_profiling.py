@@ -143,7 +143,7 @@ def test_gpu_trace_kernels_go_to_the_phase_that_launched_them() -> None:
     assert step.ms == 1.0 and step.launches == 2 and step.kernels == 2 and step.syncs == 1
     assert step.gpu_ms["forward"] == pytest.approx(0.6) and step.kernels_by_phase["forward"] == 2
     assert step.host_ms["sample"] == pytest.approx(0.6) and step.host_ms["not in a phase"] == pytest.approx(0.0)
-    assert step.gpu_busy_ms == pytest.approx(0.6)
+    assert step.gpu_busy_ms == pytest.approx(0.6) and sum(step.breakdown.values()) == pytest.approx(step.ms)
     assert step.breakdown == pytest.approx({
         "weight read": 0.3, "matmul above the weight read": 0.2, "attention": 0.1,
         "element-wise and other kernels": 0.0,
@@ -181,3 +181,20 @@ def test_server_profiles_the_next_steps_under_traffic(monkeypatch: pytest.Monkey
         assert answer["summary"]["steps_profiled"] == 3 and "forward" in answer["table"]
         assert (tmp_path / answer["trace"]).is_file()
     assert "step" not in vars(engine)  # the profiler let go of the engine
+
+
+def test_overlapping_kernels_share_their_time_and_the_parts_add_up_to_the_step() -> None:
+    """Step 13's dependent launch lets a kernel start before the one before it ends: the overlap is split, not
+    counted twice. A 100 us step: a matmul 0-60, an element-wise kernel 40-100 (overlapping 40-60)."""
+    events = [
+        ev("user_annotation", STEP_RANGE, 0, 100),
+        ev("user_annotation", "forward", 0, 5),
+        ev("cuda_runtime", "cudaGraphLaunch", 1, 3, correlation=9),
+        ev("kernel", "_skinny_matmul_kernel", 0, 60, correlation=9, tid=7),
+        ev("kernel", "_silu_mul_kernel", 40, 60, correlation=9, tid=7),
+    ]
+    [step] = read_steps(events, weight_read_ms=0.01, on_gpu=True)
+    assert step.gpu_busy_ms == pytest.approx(0.1)
+    assert step.breakdown["weight read"] + step.breakdown["matmul above the weight read"] == pytest.approx(0.05)
+    assert step.breakdown["element-wise and other kernels"] == pytest.approx(0.05)
+    assert sum(step.breakdown.values()) == pytest.approx(step.ms)
