@@ -189,26 +189,28 @@ def split_matmul(parts: dict[str, float], matmul_ms: float, weight_read_ms: floa
 
 
 def busy_by_kind(step: Event, kernels: list[Event]) -> dict[str, float]:
-    """The GPU's busy time in the step's window (ms) by kind of kernel. Kernels may overlap (step 13's
-    programmatic dependent launch starts one before the last ends): an instant shared by several kernels is
-    split evenly between them, so the kinds add up to the busy time, not to more."""
+    """The GPU's busy time in the step's window (ms) by kind of kernel. Kernels may overlap: step 13's
+    programmatic dependent launch starts a kernel while the one before it still runs, and the new one waits
+    (inside its own time) for the old one to finish. An instant shared by several kernels goes to the one that
+    started first, the one doing the work, so the kinds add up to the busy time, not to more."""
     by_kind = {MATMUL: 0.0, ATTENTION: 0.0, "other": 0.0}
     edges = []
     for k in kernels:
         start, end = max(k.start, step.start), min(k.end, step.end)
         if end > start:
             kind = category_of(k.name)
-            kind = kind if kind in by_kind else "other"
-            edges += [(start, 1, kind), (end, -1, kind)]
+            edges += [(start, 1, k.start, kind), (end, -1, k.start, kind)]
     edges.sort(key=lambda e: (e[0], e[1]))
-    active = dict.fromkeys(by_kind, 0)
-    last = None
-    for at, change, kind in edges:
-        running = sum(active.values())
-        if last is not None and running and at > last:
-            for name, count in active.items():
-                by_kind[name] += (at - last) * count / running / 1e3
-        active[kind] += change
+    active: list[tuple[float, str]] = []  # (when it started, kind) of the kernels running now
+    last = 0.0
+    for at, change, started, kind in edges:
+        if active and at > last:
+            first = min(active)[1]
+            by_kind[first if first in by_kind else "other"] += (at - last) / 1e3
+        if change > 0:
+            active.append((started, kind))
+        else:
+            active.remove((started, kind))
         last = at
     return by_kind
 
