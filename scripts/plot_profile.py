@@ -1,11 +1,17 @@
-"""Plot step 05's evidence: one stacked bar per step, where its decode step's time goes.
+"""Plot step 05's evidence: one stacked bar per step, where its decode step's time goes; or one step's timeline.
 
     .venv/bin/python scripts/plot_profile.py results/gpu/profile-steps.json    # writes the .png next to it
+    .venv/bin/python scripts/plot_profile.py --timeline runs/profile/traces/step11_speculative_decoding-cuda.json \
+        runs/profile/traces/step12_cuda_graph-cuda.json --output runs/profile/timeline.png
 
 Each bar is a row of the file (`step05_profiling/run.py`), its parts the row's `breakdown_ms`, bottom first:
 the weight read (every weight once, at the measured copy bandwidth), the matrix multiplies' time above it,
-attention, the other kernels, the gaps while the host launches the forward, and the host's other work that
-the device waits for. A later step's gain shows as a part that shrinks.
+attention, the other kernels, the gaps between kernels the GPU had queued, the GPU waiting while the host
+launches the forward, and the host's other work that the GPU waits for. A later step's gain shows as a part that shrinks.
+
+With --timeline, one engine step of each trace (`--step`, the fourth by default) as the trace viewer shows it:
+the host's phases as bars, nested ones below the ones they sit in, and below them the GPU's kernels, coloured
+by kind, each trace a panel on the same time scale.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ import argparse
 import json
 from pathlib import Path
 
-COLORS = ("#1f4e79", "#5b9bd5", "#70ad47", "#ffc000", "#ed7d31", "#c00000")  # BREAKDOWN's order
+COLORS = ("#1f4e79", "#5b9bd5", "#70ad47", "#ffc000", "#a5a5a5", "#ed7d31", "#c00000")  # BREAKDOWN's order
+PHASE_COLORS = {"schedule": "#8064a2", "prepare inputs": "#4bacc6", "forward": "#f79646", "sample": "#c0504d",
+                "process outputs": "#9bbb59", "detokenize": "#7f7f7f", "attention": "#70ad47"}
+KIND_COLORS = {"matrix multiply": "#5b9bd5", "attention": "#70ad47"}  # any other kernel: yellow
 
 
 def short_name(variant: str) -> str:
@@ -61,12 +70,66 @@ def write_plot(evidence: Path, output: Path, zoom_below_ms: float = 15.0) -> Pat
     return output
 
 
+def draw_timeline(ax, trace: Path, step_index: int, width_ms: float | None) -> float:  # noqa: ANN001 - an Axes
+    """One engine step of `trace`: host ranges by depth from the top, kernels on the bottom row. Returns its ms."""
+    from step05_profiling.kernels import category_of
+    from step05_profiling.phases import ATTENTION_RANGE, PHASES, STEP_RANGE
+    from step05_profiling.trace import load_events, nesting
+
+    events = load_events(trace)
+    step = sorted((e for e in events if e.cat == "user_annotation" and e.name == STEP_RANGE),
+                  key=lambda e: e.start)[step_index]
+    ranges = [e for e in events if e.cat == "user_annotation" and e.name in (*PHASES, ATTENTION_RANGE)
+              and step.start <= e.start < step.end]
+    kernels = [e for e in events if e.cat == "kernel" and e.end > step.start and e.start < step.end]
+    depths = [depth for _, _, depth in nesting(ranges)] or [0]
+    gpu_row = max(depths) + 2
+    for r, _, depth in nesting(ranges):
+        ax.barh(depth, r.dur / 1e3, left=(r.start - step.start) / 1e3, height=0.8, color=PHASE_COLORS[r.name])
+    for k in kernels:
+        ax.barh(gpu_row, max(k.dur, 0.5) / 1e3, left=(k.start - step.start) / 1e3, height=0.8,
+                color=KIND_COLORS.get(category_of(k.name), "#ffc000"))
+    ax.set_yticks([*range(max(depths) + 1), gpu_row], [*(f"host, depth {d}" for d in range(max(depths) + 1)), "GPU"],
+                  fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, width_ms or step.dur / 1e3)
+    ax.set_title(f"{trace.stem}: one engine step, {step.dur / 1e3:.2f} ms, {len(kernels)} kernels", fontsize=9)
+    return step.dur / 1e3
+
+
+def write_timeline(traces: list[Path], output: Path, step_index: int = 3) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(len(traces), 1, figsize=(12, 2.2 * len(traces) + 0.8), squeeze=False)
+    for ax, trace in zip(axes[:, 0], traces):
+        draw_timeline(ax, trace, step_index, None)
+    axes[-1][0].set_xlabel("ms from the start of the step")
+    legend = [Patch(color=c, label=name) for name, c in PHASE_COLORS.items()]
+    legend += [Patch(color=c, label=f"{name} kernel") for name, c in KIND_COLORS.items()]
+    legend.append(Patch(color="#ffc000", label="other kernel"))
+    fig.legend(handles=legend, loc="lower center", ncol=5, fontsize=7)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("evidence", type=Path)
-    p.add_argument("--output", type=Path, help="default: the evidence's name with .png")
+    p.add_argument("files", type=Path, nargs="+", help="an evidence file; with --timeline, traces")
+    p.add_argument("--timeline", action="store_true", help="draw one step of each trace given")
+    p.add_argument("--step", type=int, default=3, help="with --timeline: which engine step of each trace (from 0)")
+    p.add_argument("--output", type=Path, help="default: the (first) file's name with .png")
     args = p.parse_args()
-    print(f"wrote {write_plot(args.evidence, args.output or args.evidence.with_suffix('.png'))}")
+    output = args.output or args.files[0].with_suffix(".png")
+    if args.timeline:
+        print(f"wrote {write_timeline(args.files, output, args.step)}")
+    else:
+        print(f"wrote {write_plot(args.files[0], output)}")
 
 
 if __name__ == "__main__":

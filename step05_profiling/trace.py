@@ -35,7 +35,7 @@ MATMUL_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul")  # a la
 
 # Where a decode step's time goes, in the order the lesson stacks its bars (bottom first).
 BREAKDOWN = ("weight read", "matmul above the weight read", "attention", "element-wise and other kernels",
-             "launch gaps", "host work not hidden")
+             "gaps between kernels", "waiting for launches", "host work not hidden")
 
 
 @dataclass
@@ -218,9 +218,9 @@ def busy_by_kind(step: Event, kernels: list[Event]) -> dict[str, float]:
 def gpu_breakdown(step: Event, kernels: list[Event], launch_at: dict, busy: list[tuple[float, float]],
                   forward: list[tuple[float, float]], weight_read_ms: float) -> dict[str, float]:
     """The step's window on the GPU: kernel time by kind, and idle time by its cause. Before each idle gap ends,
-    the next kernel was launched either already (the GPU had work queued: a gap between kernels, "launch gaps")
-    or during the gap: then the GPU waited for the host, and the wait counts as a launch gap while the host was
-    launching the forward, as "host work not hidden" while it did anything else."""
+    the next kernel was launched either already (the GPU had work queued: a gap between kernels, the cost of
+    starting one) or during the gap: then the GPU waited for the host, "waiting for launches" while the host was
+    launching the forward, "host work not hidden" while it did anything else."""
     by_kind = busy_by_kind(step, kernels)
     idle, cursor = [], step.start
     for start, end in busy:
@@ -230,19 +230,21 @@ def gpu_breakdown(step: Event, kernels: list[Event], launch_at: dict, busy: list
     if cursor < step.end:
         idle.append((cursor, step.end))
     starts = [k.start for k in kernels]  # kernels sorted by start
-    launch_gaps = host_wait = 0.0
+    queued = launching = host_wait = 0.0
     for a, b in idle:
         following = bisect_right(starts, a)  # the first kernel to start after the gap began
         launched = launch_at[kernels[following].correlation] if following < len(kernels) else float("inf")
         waited = (a, min(b, max(a, launched)))  # the GPU had nothing queued: it waited for the host
         in_forward = overlap([waited], forward)
-        launch_gaps += (b - waited[1]) + in_forward
+        queued += b - waited[1]
+        launching += in_forward
         host_wait += (waited[1] - waited[0]) - in_forward
     parts: dict[str, float] = {}
     split_matmul(parts, by_kind[MATMUL], weight_read_ms)
     parts["attention"] = by_kind[ATTENTION]
     parts["element-wise and other kernels"] = by_kind["other"]
-    parts["launch gaps"] = launch_gaps / 1e3
+    parts["gaps between kernels"] = queued / 1e3
+    parts["waiting for launches"] = launching / 1e3
     parts["host work not hidden"] = host_wait / 1e3
     return parts
 
@@ -250,7 +252,7 @@ def gpu_breakdown(step: Event, kernels: list[Event], launch_at: dict, busy: list
 def cpu_breakdown(step: Event, ops: list[Event], attention: list[Event], forward: list[tuple[float, float]],
                   weight_read_ms: float) -> dict[str, float]:
     """The same categories on a CPU, where the host runs the kernels: the forward's operators by kind, the
-    interpreter's time between them (the CPU's launch gaps), and the rest of the step."""
+    interpreter's time between them (the CPU waiting for its next launch), and the rest of the step."""
     attention_ms = sum(a.dur for a in attention) / 1e3
     inside_forward = [o for o in ops if any(s <= o.start < e for s, e in forward)
                       and not any(a.start <= o.start < a.end for a in attention)]
@@ -262,6 +264,7 @@ def cpu_breakdown(step: Event, ops: list[Event], attention: list[Event], forward
     split_matmul(parts, matmul_ms, weight_read_ms)
     parts["attention"] = attention_ms
     parts["element-wise and other kernels"] = other_ms
-    parts["launch gaps"] = max(0.0, forward_ms - attention_ms - matmul_ms - other_ms)
+    parts["gaps between kernels"] = 0.0  # an operator starts as soon as the interpreter reaches it
+    parts["waiting for launches"] = max(0.0, forward_ms - attention_ms - matmul_ms - other_ms)
     parts["host work not hidden"] = step.dur / 1e3 - forward_ms
     return parts

@@ -44,9 +44,11 @@ def test_trace_has_the_named_phases_and_they_cover_the_step(step: str, tmp_path:
     for step_profile in report.steps:
         covered = sum(step_profile.host_ms[p] for p in PHASES)
         assert covered + step_profile.host_ms["not in a phase"] == pytest.approx(step_profile.ms, rel=1e-6)
-        assert covered >= (1 - profile_run.PHASE_TOLERANCE) * step_profile.ms, step_profile.host_ms
         assert sum(step_profile.breakdown[c] for c in BREAKDOWN) == pytest.approx(step_profile.ms, rel=1e-6)
         assert step_profile.host_ms["forward"] > step_profile.host_ms["detokenize"]
+    # Over the profiled steps (one step can catch a pause of the machine's in the little code outside the phases):
+    summary = report.summary()
+    assert summary["host_ms"]["not in a phase"] <= profile_run.PHASE_TOLERANCE * summary["step_ms"], summary["host_ms"]
     assert "forward" in format_report(report)
 
 
@@ -147,7 +149,8 @@ def test_gpu_trace_kernels_go_to_the_phase_that_launched_them() -> None:
     assert step.breakdown == pytest.approx({
         "weight read": 0.3, "matmul above the weight read": 0.2, "attention": 0.1,
         "element-wise and other kernels": 0.0,
-        "launch gaps": 0.05,  # idle while the host was in the forward: 100-150
+        "gaps between kernels": 0.04,  # 110-150: the matmul was queued, not yet started
+        "waiting for launches": 0.01,  # 100-110: nothing queued while the host launched the forward
         "host work not hidden": 0.35,  # idle while it scheduled (0-100) and after the kernels (750-1000)
     })
 
