@@ -144,7 +144,8 @@ def read_steps(events: list[Event], weight_read_ms: float, on_gpu: bool) -> list
     attention = [e for e in events if e.cat == "user_annotation" and e.name == ATTENTION_RANGE and e.tid == host]
     ops = [e for e in events if e.cat == "cpu_op" and e.tid == host]
     calls = [e for e in events if e.cat in ("cuda_runtime", "cuda_driver")]
-    launch_at = {e.correlation: e.start for e in calls if "Launch" in e.name and e.correlation is not None}
+    launches = {e.correlation: e for e in calls if "Launch" in e.name and e.correlation is not None}
+    launch_at = {correlation: call.start for correlation, call in launches.items()}
     kernels = sorted((e for e in events if e.cat == "kernel" and e.correlation in launch_at), key=lambda e: e.start)
     out = []
     for step in steps:
@@ -174,7 +175,8 @@ def read_steps(events: list[Event], weight_read_ms: float, on_gpu: bool) -> list
                               overlap(busy, window) / 1e3)
         forward = merged([(p.start, p.end) for p in mine if p.name == "forward"])
         if on_gpu:
-            profile.breakdown = gpu_breakdown(step, kernels, launch_at, busy, forward, weight_read_ms)
+            queued_at = {correlation: call.end for correlation, call in launches.items()}
+            profile.breakdown = gpu_breakdown(step, kernels, queued_at, busy, forward, weight_read_ms)
         else:
             profile.breakdown = cpu_breakdown(step, [o for o in ops if inside(o)],
                                               [a for a in attention if inside(a)], forward, weight_read_ms)
@@ -215,12 +217,13 @@ def busy_by_kind(step: Event, kernels: list[Event]) -> dict[str, float]:
     return by_kind
 
 
-def gpu_breakdown(step: Event, kernels: list[Event], launch_at: dict, busy: list[tuple[float, float]],
+def gpu_breakdown(step: Event, kernels: list[Event], queued_at: dict, busy: list[tuple[float, float]],
                   forward: list[tuple[float, float]], weight_read_ms: float) -> dict[str, float]:
     """The step's window on the GPU: kernel time by kind, and idle time by its cause. Before each idle gap ends,
-    the next kernel was launched either already (the GPU had work queued: a gap between kernels, the cost of
+    the next kernel was queued either already (its launch call had returned: a gap between kernels, the cost of
     starting one) or during the gap: then the GPU waited for the host, "waiting for launches" while the host was
-    launching the forward, "host work not hidden" while it did anything else."""
+    launching the forward (a graph's launch call included), "host work not hidden" while it did anything else.
+    `queued_at`: when each launch call (by correlation) returned."""
     by_kind = busy_by_kind(step, kernels)
     idle, cursor = [], step.start
     for start, end in busy:
@@ -230,20 +233,20 @@ def gpu_breakdown(step: Event, kernels: list[Event], launch_at: dict, busy: list
     if cursor < step.end:
         idle.append((cursor, step.end))
     starts = [k.start for k in kernels]  # kernels sorted by start
-    queued = launching = host_wait = 0.0
+    between = launching = host_wait = 0.0
     for a, b in idle:
         following = bisect_right(starts, a)  # the first kernel to start after the gap began
-        launched = launch_at[kernels[following].correlation] if following < len(kernels) else float("inf")
-        waited = (a, min(b, max(a, launched)))  # the GPU had nothing queued: it waited for the host
+        queued = queued_at[kernels[following].correlation] if following < len(kernels) else float("inf")
+        waited = (a, min(b, max(a, queued)))  # the GPU had nothing queued: it waited for the host
         in_forward = overlap([waited], forward)
-        queued += b - waited[1]
+        between += b - waited[1]
         launching += in_forward
         host_wait += (waited[1] - waited[0]) - in_forward
     parts: dict[str, float] = {}
     split_matmul(parts, by_kind[MATMUL], weight_read_ms)
     parts["attention"] = by_kind[ATTENTION]
     parts["element-wise and other kernels"] = by_kind["other"]
-    parts["gaps between kernels"] = queued / 1e3
+    parts["gaps between kernels"] = between / 1e3
     parts["waiting for launches"] = launching / 1e3
     parts["host work not hidden"] = host_wait / 1e3
     return parts
