@@ -48,6 +48,7 @@ results: install
 	$(BIN)/python step09_chunked_prefill/bench_long_prompt.py --output results/cpu/stall.json
 	$(BIN)/python step10_prefix_caching/bench_prefix.py --output results/cpu/prefix.json
 	$(BIN)/python step14_overlap_scheduling/bench_host.py --batches 32,128,256 --output results/cpu/host-per-step.json
+	$(BIN)/python step05_profiling/run.py --no-plot --output results/cpu/profile-steps.json
 	$(BIN)/python scripts/results_table.py --refresh README.md step*/README.md
 
 # The walkthroughs run again on the CPU and saved with their outputs, so they render where the repository is browsed

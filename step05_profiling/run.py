@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-steps", type=int, default=8, help="engine steps profiled per row (default 8)")
     p.add_argument("--dry-run", action="store_true", help="steps 01, 06 and 09 on tiny-llama: traces checked")
     p.add_argument("--output", type=Path, help="evidence file (default runs/profile/steps-<device>-<model>.json)")
+    p.add_argument("--no-plot", action="store_true", help="no bars drawn beside the evidence file")
     return p
 
 
@@ -177,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         print(f"dry run {'OK' if ok else 'FAILED'}")
         return 0 if ok else 1
+    if args.no_plot:
+        return 0
     try:
         from scripts.plot_profile import write_plot
 

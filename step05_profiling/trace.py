@@ -125,8 +125,8 @@ def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float
 
 def count_syncs(events: list[Event], on_gpu: bool) -> int:
     """How many times the host waited for the device among `events` (one step's host events): on a GPU the CUDA
-    calls that block until the device is done (SYNC_CALLS); on a CPU the operators
-    a GPU would wait on (CPU_SYNC_OPS)."""
+    calls that block until the device is done (SYNC_CALLS); on a CPU the operators a GPU would wait on
+    (CPU_SYNC_OPS)."""
     if on_gpu:
         return sum(1 for e in events if e.cat in ("cuda_runtime", "cuda_driver") and e.name in SYNC_CALLS)
     return sum(1 for e in events if e.cat == "cpu_op" and e.name in CPU_SYNC_OPS)

@@ -14,6 +14,7 @@ from common.steps import STEP_NAMES, STEPS, engine_class, find_step
 REPO = Path(__file__).resolve().parent.parent
 SERVER = "step08_serve"  # not an engine: it serves any of them
 WRAPPER = "step04_multi_gpu"  # not in the chain: it splits or replicates the engines of steps 06 and later
+TOOL = "step05_profiling"  # not in the chain: a tool every step has (--profile)
 
 
 def step_number(name: str) -> str:
@@ -23,10 +24,10 @@ def step_number(name: str) -> str:
 def test_the_readme_table_lists_the_steps_in_order() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     listed = re.findall(r"^\| \[\d\d [^\]]+\]\((step\d\d_\w+)/README\.md\)", readme, flags=re.MULTILINE)
-    assert listed == sorted([*STEP_NAMES, SERVER, WRAPPER])
+    assert listed == sorted([*STEP_NAMES, SERVER, WRAPPER, TOOL])
 
 
-@pytest.mark.parametrize("name", [*STEP_NAMES, SERVER, WRAPPER])
+@pytest.mark.parametrize("name", [*STEP_NAMES, SERVER, WRAPPER, TOOL])
 def test_each_step_has_its_folder_lesson_run_notebook_and_tests(name: str) -> None:
     folder = REPO / name
     assert (folder / "README.md").is_file() and (folder / "run.py").is_file()
