@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from common.cli import CommandLineError, build_parser, check_args, fail, read_prompts
+from common.cli import CommandLineError, build_parser, check_args, fail, read_prompts, refuse_flag
 from common.config import TINY_ARCHES
 from common.prompts import DEMO_PROMPTS
 from common.steps import STEP_NAMES
@@ -100,6 +100,8 @@ def generate_and_check(args: argparse.Namespace, config: object, texts: list[str
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(__doc__)
     add_arguments(parser)
+    refuse_flag(parser, "--profile", why="the ranks run in processes of their own; profile one engine with its "
+                "step's run.py --profile (step 05)")
     args = parser.parse_args(argv)
     try:
         check_args(args)

@@ -201,3 +201,12 @@ def test_overlapping_kernels_count_once_and_the_parts_add_up_to_the_step() -> No
     assert step.breakdown["weight read"] + step.breakdown["matmul above the weight read"] == pytest.approx(0.06)
     assert step.breakdown["element-wise and other kernels"] == pytest.approx(0.04)
     assert sum(step.breakdown.values()) == pytest.approx(step.ms)
+
+
+def test_step04_refuses_profile_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """Step 04's ranks are processes of their own: its run.py says so rather than ignore the flag."""
+    from step04_multi_gpu.run import main
+
+    assert main(["--profile"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--profile does nothing in this step" in err
