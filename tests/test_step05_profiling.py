@@ -207,6 +207,8 @@ def test_step04_refuses_profile_in_one_line(capsys: pytest.CaptureFixture[str]) 
     """Step 04's ranks are processes of their own: its run.py says so rather than ignore the flag."""
     from step04_multi_gpu.run import main
 
-    assert main(["--profile"]) == 2
+    with pytest.raises(SystemExit) as exited:
+        main(["--profile"])
+    assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--profile does nothing in this step" in err
