@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -95,37 +96,71 @@ def loaded_class(path: str) -> tuple[type, str] | None:
     return getattr(importlib.import_module(module_name), class_name), method
 
 
-def with_attention_ranges(forward: Callable, nvtx: bool) -> Callable:
-    """The model's forward, with each `ctx.attend` of this call inside an attention range."""
+def with_attention_ranges(forward: Callable, wrap: Callable[[str, Callable], Callable]) -> Callable:
+    """The model's forward, with each `ctx.attend` of this call wrapped as an attention range."""
     @functools.wraps(forward)
     def wrapper(input_ids: torch.Tensor, ctx, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         if "attend" not in vars(ctx):  # a context reused by a later call keeps its first wrapper
-            ctx.attend = ranged(ATTENTION_RANGE, ctx.attend, nvtx)
+            ctx.attend = wrap(ATTENTION_RANGE, ctx.attend)
         return forward(input_ids, ctx, *args, **kwargs)
     return wrapper
 
 
+class PhaseTimer:
+    """The other way to wrap the same seams: each phase's own time (less the phases inside it) by the host's clock,
+    with no profiler, whose own cost would swamp phases of a tenth of a millisecond (step 14's bench_host.py).
+
+        timer = PhaseTimer()
+        with instrument(engine, wrap=timer.wrap):
+            engine.step()
+        timer.own_seconds  # {"schedule": ..., "forward": ..., "engine step": ...}
+    """
+
+    def __init__(self) -> None:
+        self.own_seconds: dict[str, float] = {}
+        self.inner: list[float] = []  # per open phase, the time of the phases inside it so far
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            self.inner.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                own = elapsed - self.inner.pop()
+                self.own_seconds[name] = self.own_seconds.get(name, 0.0) + own
+                if self.inner:
+                    self.inner[-1] += elapsed
+        return timed
+
+
 @contextmanager
-def instrument(engine: Engine) -> Iterator[None]:
+def instrument(engine: Engine, wrap: Callable[[str, Callable], Callable] | None = None) -> Iterator[None]:
     """Inside the `with`, every phase of `engine` runs in a range of its name and every `engine.step()` in a
-    range of its own; everything is as it was afterwards."""
+    range of its own; everything is as it was afterwards. `wrap(name, fn)` replaces the profiler's ranges
+    (`PhaseTimer.wrap`, say)."""
     nvtx = engine.device.type == "cuda"
+    if wrap is None:
+        def wrap(name: str, fn: Callable) -> Callable:
+            return ranged(name, fn, nvtx)
     with ExitStack() as stack:
         for phase, names in ENGINE_METHODS.items():
             for name in names:
                 if hasattr(engine, name):
-                    stack.enter_context(patched(engine, name, ranged(phase, getattr(engine, name), nvtx)))
+                    stack.enter_context(patched(engine, name, wrap(phase, getattr(engine, name))))
         for phase, names in MODEL_METHODS.items():
             for name in names:
                 method = getattr(engine.model, name)
                 if name == "forward":
-                    method = with_attention_ranges(method, nvtx)
-                stack.enter_context(patched(engine.model, name, ranged(phase, method, nvtx)))
+                    method = with_attention_ranges(method, wrap)
+                stack.enter_context(patched(engine.model, name, wrap(phase, method)))
         for phase, paths in CLASS_METHODS.items():
             for path in paths:
                 found = loaded_class(path)
                 if found is not None:
                     owner, name = found
-                    stack.enter_context(patched(owner, name, ranged(phase, getattr(owner, name), nvtx)))
-        stack.enter_context(patched(engine, "step", ranged(STEP_RANGE, engine.step, nvtx)))
+                    stack.enter_context(patched(owner, name, wrap(phase, getattr(owner, name))))
+        stack.enter_context(patched(engine, "step", wrap(STEP_RANGE, engine.step)))
         yield

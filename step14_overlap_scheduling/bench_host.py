@@ -1,10 +1,10 @@
 """The host's share of a decode step: what the CPU does per step besides running the model.
 
 Once decode is a CUDA graph, the GPU's work per step is one replay; what remains on the host is Python:
-scheduling (step 09's `schedule`), filling the static inputs, and turning sampled ids into text
-(`process_tokens`: detokenizing, stop checks). The engine waits for each step's tokens before doing any of
-it, so this time adds to every step. Measured here on the CPU with a tiny model and the model's own work
-timed apart (the forward is wrapped), at several batch sizes with long prompts. Writes JSON evidence (by
+scheduling (step 09's `schedule`), preparing the inputs (filling the static buffers), and turning sampled ids
+into text (`process_tokens`: detokenizing, stop checks). The engine waits for each step's tokens before doing
+any of it, so this time adds to every step. Measured here on the CPU with a tiny model, each of step 05's
+phases timed by the host's clock (its seams, without the profiler), at several batch sizes with long prompts. Writes JSON evidence (by
 default runs/step14_overlap_scheduling/host-per-step-cpu.json, ignored by git).
 
     .venv/bin/python step14_overlap_scheduling/bench_host.py --batches 32,128,256
@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,18 +22,8 @@ from common.bench import default_output, evidence_header, write_json
 from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_sizes
 from common.loading import load_model
 from common.sampling import SamplingParams
+from step05_profiling.phases import ATTENTION_RANGE, PHASES, STEP_RANGE, PhaseTimer, instrument
 from step14_overlap_scheduling.engine import OverlapSchedulingEngine, OverlapSchedulingEngineConfig
-
-
-def timed(totals: dict[str, float], name: str, fn: Callable) -> Callable:
-    """`fn`, adding its wall time to `totals[name]` on every call."""
-    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            totals[name] += time.perf_counter() - start
-    return wrapper
 
 
 def host_ms_per_step(batch: int, prompt_len: int, steps: int) -> dict[str, float]:
@@ -54,20 +41,17 @@ def host_ms_per_step(batch: int, prompt_len: int, steps: int) -> dict[str, float
     engine.step()
     decoding = [r for r in engine.running if r.output_token_ids]
     assert len(decoding) == batch, f"{len(decoding)} of {batch} requests decode: the timed steps would not hold all"
-    totals: dict[str, float] = defaultdict(float)
-    graphs = engine.graphs
-    assert graphs is not None
-    graphs.forward = timed(totals, "model forward (the GPU's part)", graphs.forward)
-    engine.schedule = timed(totals, "schedule", engine.schedule)
-    graphs.inputs.fill = timed(totals, "fill static inputs", graphs.inputs.fill)
-    engine.process_tokens = timed(totals, "process tokens (detokenize, stop checks)", engine.process_tokens)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    total = time.perf_counter() - start
-    per_step = {name: 1e3 * t / steps for name, t in totals.items()}
-    forward = per_step["model forward (the GPU's part)"]
-    per_step["host, all of it"] = 1e3 * total / steps - forward
+    # Step 05's phases, timed by the host's clock: the profiler's own cost would swamp the smallest of them.
+    timer = PhaseTimer()
+    with instrument(engine, wrap=timer.wrap):
+        for _ in range(steps):
+            engine.step()
+    own_ms = {name: 1e3 * seconds / steps for name, seconds in timer.own_seconds.items()}
+    step_ms = sum(own_ms.values())  # the own times of the step and of everything inside it add up to the step
+    own_ms["forward"] = own_ms.get("forward", 0.0) + own_ms.get(ATTENTION_RANGE, 0.0)
+    per_step = {phase: own_ms.get(phase, 0.0) for phase in PHASES}
+    per_step["not in a phase"] = own_ms[STEP_RANGE]
+    per_step["host, all of it"] = step_ms - per_step["forward"]
     return per_step
 
 

@@ -93,7 +93,9 @@ def test_bench_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert bench_host.main() == 0
     finally:
         torch.set_num_threads(threads)  # the script keeps the forward on one thread: not the other tests
-    assert "schedule" in written(out)["rows"][0]["ms_per_step"]
+    row = written(out)["rows"][0]["ms_per_step"]
+    assert {"schedule", "prepare inputs", "forward", "process outputs", "detokenize"} <= set(row)
+    assert row["forward"] > 0 and row["host, all of it"] > row["process outputs"] > 0
 
 
 def test_profile_step_finds_our_attention_kernels() -> None:

@@ -212,3 +212,24 @@ def test_step04_refuses_profile_in_one_line(capsys: pytest.CaptureFixture[str]) 
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--profile does nothing in this step" in err
+
+
+def test_phase_timer_counts_each_phase_once() -> None:
+    """The host-clock twin of the profiler's ranges: a phase's own time leaves out the phases inside it."""
+    import time
+
+    from step05_profiling.phases import PhaseTimer
+
+    timer = PhaseTimer()
+    inner = timer.wrap("sample", lambda: time.sleep(0.02))
+
+    def outer() -> None:
+        time.sleep(0.01)
+        inner()
+
+    start = time.perf_counter()
+    timer.wrap("forward", outer)()
+    total = time.perf_counter() - start
+    own = timer.own_seconds
+    assert own["sample"] >= 0.02 and own["forward"] >= 0.01  # a sleep lasts at least what it is asked
+    assert own["forward"] + own["sample"] == pytest.approx(total, abs=0.002)  # each instant counted once
