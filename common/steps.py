@@ -52,6 +52,8 @@ STEPS: tuple[Step, ...] = (
          "step13_fused_decode.engine:FusedDecodeEngine"),
     Step("step14_overlap_scheduling", "the host's work for the next decode step hidden behind the GPU's current one",
          "step14_overlap_scheduling.engine:OverlapSchedulingEngine"),
+    Step("step15_batch_invariant", "a request's tokens and logits bit for bit the same, whatever else is in its batch",
+         "step15_batch_invariant.engine:BatchInvariantEngine"),
 )
 STEP_NAMES: tuple[str, ...] = tuple(step.name for step in STEPS)
 

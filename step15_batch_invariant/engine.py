@@ -1,0 +1,61 @@
+"""Step 15: batch invariance. A request's tokens and logits, bit for bit, whatever else shares its steps.
+
+A request's numbers depend on its neighbours wherever a kernel picks how to sum by the shape of the batch:
+the library's matrix multiply (a matrix-vector kernel for one row, blocked kernels and splits of K for more),
+the decode kernel's number of splits, the prefill kernel's tiles against the decode kernel's, a reduction
+spread over more threads when there are fewer rows. Each pick is correct, and each rounds differently, so a
+greedy request can take another token when it is batched with others. Then greedy output is not
+reproducible, speculative decoding (step 11) is not exactly output-preserving, and a user cannot test an
+application against the server.
+
+`--batch-invariant` (off by default: it costs speed) makes every row's arithmetic a function of that row
+alone. Against step 14, `BatchInvariantEngine` changes two things before anything is built or captured:
+- the model's linear layers and norms (`invariant_ops.batch_invariant_twin`): one tiling for every row count;
+- the attention backend (`attention.py`): every row summed over fixed pieces of its keys, in order, whether it
+  decodes, ends a prefill chunk, or verifies a proposal.
+Step 13's fused kernels choose their tiling by the batch, so the mode runs without them (step 12's graphs
+over the invariant model). Scheduling, graphs, prefix caching, speculation and overlap are step 14's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from common.loading import LoadedModel
+from step06_paged_attention.backends import AttentionBackend
+from step14_overlap_scheduling.engine import OverlapSchedulingEngine, OverlapSchedulingEngineConfig
+from step15_batch_invariant.attention import InvariantTorchBackend, InvariantTritonBackend
+from step15_batch_invariant.invariant_ops import batch_invariant_twin
+
+
+@dataclass
+class BatchInvariantEngineConfig(OverlapSchedulingEngineConfig):
+    # Every kernel computes a row the same way whatever else is in the step. Off: step 14 as it is.
+    batch_invariant: bool = False
+
+
+class BatchInvariantEngine(OverlapSchedulingEngine):
+    config_class = BatchInvariantEngineConfig
+
+    def __init__(self, loaded: LoadedModel, config: BatchInvariantEngineConfig) -> None:
+        if config.batch_invariant:
+            config = self.invariant_config(config, on_gpu=loaded.model.device.type == "cuda")
+            loaded = replace(loaded, model=batch_invariant_twin(loaded.model))
+        super().__init__(loaded, config)
+
+    @staticmethod
+    def invariant_config(config: BatchInvariantEngineConfig, on_gpu: bool) -> BatchInvariantEngineConfig:
+        """`config` with what the mode cannot run turned off, or a one-line refusal where it was asked for."""
+        if config.fused_ops or config.skinny_matmul or config.pdl:
+            raise ValueError("--batch-invariant runs without step 13's fused kernels, whose tiling follows the "
+                             "batch: drop --fused-ops, --skinny-matmul and --pdl")
+        attn = config.attn if config.attn != "auto" else "triton" if on_gpu else "torch"
+        if attn not in ({"triton"} if on_gpu else {"torch", "triton"}):
+            raise ValueError(f"--batch-invariant attends with our own kernels, not --attn {config.attn}: use "
+                             f"--attn {'triton' if on_gpu else 'torch'}")
+        return replace(config, attn=attn, fused_ops=False)
+
+    def backend_classes(self, config: BatchInvariantEngineConfig) -> dict[str, type[AttentionBackend]]:
+        if not config.batch_invariant:
+            return super().backend_classes(config)
+        return {"torch": InvariantTorchBackend, "triton": InvariantTritonBackend}

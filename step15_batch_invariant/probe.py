@@ -1,0 +1,150 @@
+"""Which of a forward's operations give a row other bits when other rows share its call, on this machine.
+
+Each op computes one fixed row alone, then inside calls of more rows (its neighbours random, or longer
+sequences); the row's output is compared bit for bit with the one it had alone, and the largest difference
+is kept. The ops, each first as steps 06 to 14 run it and then as step 15 does:
+
+- a linear layer (the model's gate projection), in calls of 1 to 256 rows;
+- RMSNorm, the same;
+- decode attention of a 100-token sequence beside longer ones (up to 2,000 tokens);
+- the same token's attention as the last row of a prefill chunk of 1 to 64 tokens (a budget's chunk).
+
+Writes JSON evidence (`--output`) and prints a table: "same" where every bit matched.
+
+    .venv/bin/python step15_batch_invariant/probe.py --output results/cpu/batch-invariance-probe.json
+    python step15_batch_invariant/probe.py --device cuda --output results/gpu/batch-invariance-probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from common.bench import evidence_header, write_json
+from common.cli import Parser, check_device
+from common.config import ModelConfig, bundled_config_names, load_bundled_config
+from common.model import RMSNorm
+from step06_paged_attention.backends import AttentionBackend, AttentionMetadata, create_backend
+from step15_batch_invariant.attention import InvariantTorchBackend, InvariantTritonBackend
+from step15_batch_invariant.invariant_ops import InvariantRMSNorm, invariant_linear
+
+BATCHES = (1, 2, 3, 8, 16, 64, 256)
+CHUNKS = (1, 2, 8, 16, 64)  # prefill chunk sizes: how many of the sequence's last tokens one forward computes
+ROW_LEN = 100  # the probed sequence's length
+BLOCK_SIZE = 16
+
+
+def drift(row_in_call: Callable[[int], torch.Tensor], sizes: tuple[int, ...]) -> dict[str, dict[str, object]]:
+    """For each call size: whether the probed row came out bit for bit as in the first size, and by how much
+    it differs."""
+    alone = row_in_call(sizes[0])
+    result = {}
+    for size in sizes:
+        row = row_in_call(size)
+        result[str(size)] = {"same": torch.equal(row, alone),
+                             "max_abs_diff": (row.float() - alone.float()).abs().max().item()}
+    return result
+
+
+class AttentionCase:
+    """A paged KV cache holding the probed sequence (blocks from 0) and longer neighbours after it."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_batch: int) -> None:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.lens = [ROW_LEN] + torch.randint(ROW_LEN, 2000, (max_batch - 1,), generator=gen).tolist()
+        self.blocks = [-(-n // BLOCK_SIZE) for n in self.lens]
+        shape = (sum(self.blocks), BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        self.k = torch.randn(shape, generator=gen).to(device, dtype)
+        self.v = torch.randn(shape, generator=gen).to(device, dtype)
+        self.q = torch.randn(ROW_LEN, config.num_heads, config.head_dim, generator=gen).to(device, dtype)
+        # Decode queries: the probed sequence's newest token first, then each neighbour's.
+        self.decode_q = torch.cat([self.q[-1:], torch.randn(max_batch - 1, *self.q.shape[1:], generator=gen).to(
+            device, dtype)])
+        self.device = device
+
+    def table(self, rows: int) -> torch.Tensor:
+        starts = [sum(self.blocks[:i]) for i in range(rows)]
+        width = max(self.blocks[:rows])
+        return torch.tensor([[s + j if j < n else 0 for j in range(width)] for s, n in zip(starts, self.blocks)],
+                            dtype=torch.int32, device=self.device)
+
+    def meta(self, q_lens: list[int], seq_lens: list[int], is_prefill: bool) -> AttentionMetadata:
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=self.device)
+        return AttentionMetadata(is_prefill=is_prefill, slot_mapping=torch.empty(0, device=self.device),
+                                 block_table=self.table(len(seq_lens)),
+                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+                                 cu_q_lens=cu, q_lens=q_lens, seq_lens_host=seq_lens, max_q_len=max(q_lens),
+                                 max_seq_len=max(seq_lens), block_size=BLOCK_SIZE)
+
+    def decode_row(self, backend: AttentionBackend, batch: int) -> torch.Tensor:
+        """The probed sequence's newest token, decoded beside `batch - 1` longer sequences."""
+        meta = self.meta([1] * batch, self.lens[:batch], is_prefill=False)
+        return backend.decode(self.decode_q[:batch], self.k, self.v, meta)[0]
+
+    def prefill_row(self, backend: AttentionBackend, chunk: int) -> torch.Tensor:
+        """The same token as the last row of a prefill chunk of the sequence's last `chunk` tokens."""
+        meta = self.meta([chunk], [ROW_LEN], is_prefill=True)
+        return backend.prefill(self.q[ROW_LEN - chunk:ROW_LEN], self.k, self.v, meta)[-1]
+
+
+def probe(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> list[dict[str, object]]:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(max(BATCHES), config.hidden_size, generator=gen).to(device, dtype)
+    weight = (torch.randn(config.intermediate_size, config.hidden_size, generator=gen) * 0.02).to(device, dtype)
+    norm, invariant_norm = RMSNorm(config.hidden_size, config.rms_norm_eps), InvariantRMSNorm(
+        config.hidden_size, config.rms_norm_eps)
+    norm.to(device, dtype), invariant_norm.to(device, dtype)
+    case = AttentionCase(config, device, dtype, max(BATCHES))
+    kernels = "triton" if device.type == "cuda" else "torch"
+    before = create_backend(kernels, device, BLOCK_SIZE, max(BATCHES))
+    after = create_backend(kernels, device, BLOCK_SIZE, max(BATCHES),
+                           {"torch": InvariantTorchBackend, "triton": InvariantTritonBackend})
+    ops = [
+        ("linear", "steps 06-14", BATCHES, lambda b: F.linear(x[:b], weight)[0]),
+        ("linear", "step 15", BATCHES, lambda b: invariant_linear(x[:b], weight)[0]),
+        ("rms_norm", "steps 06-14", BATCHES, lambda b: norm(x[:b])[0]),
+        ("rms_norm", "step 15", BATCHES, lambda b: invariant_norm(x[:b])[0]),
+        ("decode attention beside longer sequences", "steps 06-14", BATCHES, lambda b: case.decode_row(before, b)),
+        ("decode attention beside longer sequences", "step 15", BATCHES, lambda b: case.decode_row(after, b)),
+        # The first size is 1: a one-token "chunk" is the token decoded (the same call as a decode step's).
+        ("the token in a prefill chunk of N tokens", "steps 06-14", CHUNKS,
+         lambda c: case.decode_row(before, 1) if c == 1 else case.prefill_row(before, c)),
+        ("the token in a prefill chunk of N tokens", "step 15", CHUNKS,
+         lambda c: case.decode_row(after, 1) if c == 1 else case.prefill_row(after, c)),
+    ]
+    with torch.inference_mode():
+        return [{"op": name, "as_in": where, "sizes": drift(row, sizes)} for name, where, sizes, row in ops]
+
+
+def format_table(results: list[dict[str, object]]) -> str:
+    lines = []
+    for result in results:
+        cells = [("same" if r["same"] else f"{r['max_abs_diff']:.1e}") for r in result["sizes"].values()]
+        sizes = ", ".join(f"{n}: {c}" for n, c in zip(result["sizes"], cells))
+        lines.append(f"{result['op']:<42} {result['as_in']:<12} {sizes}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto", help="cpu, cuda (default: cuda if available)")
+    parser.add_argument("--config", default=None, choices=bundled_config_names(),
+                        help="the model shapes to probe (default: qwen2.5-7b on a GPU, qwen2.5-0.5b on a CPU)")
+    parser.add_argument("--output", default=None, help="write the results as JSON evidence here")
+    args = parser.parse_args()
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device.type)
+    name = args.config or ("qwen2.5-7b" if device.type == "cuda" else "qwen2.5-0.5b")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    results = probe(load_bundled_config(name), device, dtype)
+    print(format_table(results))
+    if args.output:
+        write_json(args.output, {**evidence_header(device, f"shapes of {name}", dtype), "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
