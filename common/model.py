@@ -104,10 +104,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rotate(q, k, *rope)
         out = ctx.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q and k (a method: a later step computes it in a kernel of its own)."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 class MLP(nn.Module):

@@ -46,8 +46,15 @@ class FusedDecodeGraphs(DecodeGraphs):
         from step13_fused_decode.fused_forward import fuse  # imported only when asked for: Triton is optional
 
         self.skinny_matmul, self.pdl = skinny_matmul, pdl
-        super().__init__(fuse(model, skinny=skinny_matmul, pdl=pdl), cache, backend, max_model_len, dummy_block,
-                         max_batch, capture, inputs_class)
+        super().__init__(fuse(model, skinny=skinny_matmul, pdl=pdl, projections=self.projections_class()),
+                         cache, backend, max_model_len, dummy_block, max_batch, capture, inputs_class)
+
+    @staticmethod
+    def projections_class() -> type:
+        """How the projections are packed and multiplied (a method: imported only once Triton is needed)."""
+        from step13_fused_decode.packed_projections import PackedProjections
+
+        return PackedProjections
 
     def context(self, meta: AttentionMetadata, positions: torch.Tensor):  # noqa: ANN201
         from step13_fused_decode.fused_forward import FusedDecodeForward
@@ -80,6 +87,9 @@ class FusedVerifyGraphs(VerifyStepGraphs):
 
 class FusedDecodeEngine(CudaGraphEngine):
     config_class = FusedDecodeEngineConfig
+    # The graphs of the fused path (attributes: a later step names subclasses of its own).
+    fused_graphs_class: type[FusedDecodeGraphs] = FusedDecodeGraphs
+    fused_verify_graphs_class: type[FusedVerifyGraphs] = FusedVerifyGraphs
 
     def __init__(self, loaded: LoadedModel, config: FusedDecodeEngineConfig) -> None:
         if config.fused_ops and not config.cuda_graph:
@@ -116,13 +126,13 @@ class FusedDecodeEngine(CudaGraphEngine):
                              "which needs --fused-ops and a GPU of compute capability 9.0 or later: drop --pdl")
         if not fused_ops:
             return super().build_graphs(config)  # step 12's graphs, over the plain model
-        return FusedDecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
-                                 self.max_graph_batch(config), capture=self.eager_reason is None,
-                                 inputs_class=self.decode_inputs_class, skinny_matmul=skinny_matmul, pdl=pdl)
+        return self.fused_graphs_class(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
+                                       self.max_graph_batch(config), capture=self.eager_reason is None,
+                                       inputs_class=self.decode_inputs_class, skinny_matmul=skinny_matmul, pdl=pdl)
 
     def build_verify_graphs(self, config: FusedDecodeEngineConfig) -> VerifyStepGraphs:
         if not isinstance(self.graphs, FusedDecodeGraphs):
             return super().build_verify_graphs(config)  # --no-fused-ops: step 12's, over the plain model
-        return FusedVerifyGraphs(self.graphs.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
-                                 self.verify_max_tokens(config), config.max_num_seqs,
-                                 capture=self.eager_reason is None)
+        return self.fused_verify_graphs_class(self.graphs.model, self.cache, self.backend, self.max_model_len,
+                                              self.dummy_block, self.verify_max_tokens(config), config.max_num_seqs,
+                                              capture=self.eager_reason is None)

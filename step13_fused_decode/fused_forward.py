@@ -181,10 +181,11 @@ def twin(module: nn.Module, cls: type[Module], children: dict[str, nn.Module] | 
     return made
 
 
-def fuse(model: CausalLM, skinny: bool = False, pdl: bool = False) -> FusedCausalLM:
+def fuse(model: CausalLM, skinny: bool = False, pdl: bool = False,
+         projections: type[PackedProjections] = PackedProjections) -> FusedCausalLM:
     """The fused decode forward of `model`, over its very weights. Packing re-points the separate projection
-    weights at rows of the packed ones (`PackedProjections`), so `model` reads the same memory."""
-    packed = PackedProjections(model, skinny=skinny, pdl=pdl)
+    weights at rows of the packed ones (`projections`), so `model` reads the same memory."""
+    packed = projections(model, skinny=skinny, pdl=pdl)
     layers = []
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp

@@ -140,6 +140,8 @@ class PackedProjections:
     the tuple of layers the model asks for. With `skinny`, batches of at most `MAX_ROWS` rows use
     `skinny_linear`; `pdl` launches the Triton kernels with programmatic dependent launch."""
 
+    linear_class: type[PackedLinear] = PackedLinear  # what each pack is (a later step multiplies its own way)
+
     def __init__(self, model: CausalLM, skinny: bool = False, pdl: bool = False) -> None:
         self.packed: dict[tuple[nn.Linear, ...], PackedLinear] = {}
         self.skinny = skinny
@@ -150,8 +152,8 @@ class PackedProjections:
             for linears, norm_after in (((attention.q_proj, attention.k_proj, attention.v_proj), None),
                                         ((attention.o_proj,), layer.post_attention_layernorm),
                                         ((mlp.gate_proj, mlp.up_proj), None), ((mlp.down_proj,), next_norm)):
-                self.packed[linears] = PackedLinear(linears, skinny, pdl, norm_after)
-        self.packed[(model.lm_head,)] = PackedLinear((model.lm_head,), skinny, pdl)
+                self.packed[linears] = self.linear_class(linears, skinny, pdl, norm_after)
+        self.packed[(model.lm_head,)] = self.linear_class((model.lm_head,), skinny, pdl)
 
     def normalises_in_matmul(self, rows: int) -> bool:
         """Whether a projection of `rows` rows takes its input as a `PreparedNorm`'s scaled rows and sums of

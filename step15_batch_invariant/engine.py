@@ -13,8 +13,8 @@ alone. Against step 14, `BatchInvariantEngine` changes two things before anythin
 - the model's linear layers and norms (`invariant_ops.batch_invariant_twin`): one tiling for every row count;
 - the attention backend (`attention.py`): every row summed over fixed pieces of its keys, in order, whether it
   decodes, ends a prefill chunk, or verifies a proposal.
-Step 13's fused kernels choose their tiling by the batch, so the mode runs without them (step 12's graphs
-over the invariant model). Scheduling, graphs, prefix caching, speculation and overlap are step 14's.
+- on a GPU, step 13's fused decode, whose every op is made the same arithmetic as the model's (`fused_path.py`).
+Scheduling, graphs, prefix caching, speculation and overlap are step 14's.
 """
 
 from __future__ import annotations
@@ -46,16 +46,34 @@ class BatchInvariantEngine(OverlapSchedulingEngine):
     @staticmethod
     def invariant_config(config: BatchInvariantEngineConfig, on_gpu: bool) -> BatchInvariantEngineConfig:
         """`config` with what the mode cannot run turned off, or a one-line refusal where it was asked for."""
-        if config.fused_ops or config.skinny_matmul or config.pdl:
-            raise ValueError("--batch-invariant runs without step 13's fused kernels, whose tiling follows the "
-                             "batch: drop --fused-ops, --skinny-matmul and --pdl")
+        if config.skinny_matmul or config.pdl:
+            raise ValueError("--batch-invariant multiplies every row count with one kernel and launches plainly: "
+                             "drop --skinny-matmul and --pdl")
+        if config.fused_ops and not on_gpu:
+            raise ValueError("--batch-invariant on a CPU runs the model as it is: drop --fused-ops")
         attn = config.attn if config.attn != "auto" else "triton" if on_gpu else "torch"
         if attn not in ({"triton"} if on_gpu else {"torch", "triton"}):
             raise ValueError(f"--batch-invariant attends with our own kernels, not --attn {config.attn}: use "
                              f"--attn {'triton' if on_gpu else 'torch'}")
-        return replace(config, attn=attn, fused_ops=False)
+        return replace(config, attn=attn, skinny_matmul=False, pdl=False)
 
     def backend_classes(self, config: BatchInvariantEngineConfig) -> dict[str, type[AttentionBackend]]:
         if not config.batch_invariant:
             return super().backend_classes(config)
         return {"torch": InvariantTorchBackend, "triton": InvariantTritonBackend}
+
+    @property
+    def fused_graphs_class(self) -> type:  # noqa: D102 (step 13's attribute, chosen by the mode)
+        if not self.config.batch_invariant:
+            return super().fused_graphs_class
+        from step15_batch_invariant.fused_path import InvariantDecodeGraphs  # Triton is optional
+
+        return InvariantDecodeGraphs
+
+    @property
+    def fused_verify_graphs_class(self) -> type:  # noqa: D102
+        if not self.config.batch_invariant:
+            return super().fused_verify_graphs_class
+        from step15_batch_invariant.fused_path import InvariantVerifyGraphs
+
+        return InvariantVerifyGraphs

@@ -1,17 +1,16 @@
-"""The model's matrix multiplies and norms, computed so that a row's result never depends on its batch.
+"""The model's ops, computed so that a row's result depends on that row alone, on every path of the engine.
 
-Everything else the model does to a row is already batch-invariant on both devices (`probe.py` measured
-each op): element-wise work (RoPE, SiLU, the residual adds), the embedding lookup, and, on a CPU, PyTorch's
-row reductions. Two kinds of op are not, and are replaced in a twin of the loaded model that
-shares its weights (`batch_invariant_twin`), so that every path of the engine (prefill, decode, verification, graphs or eager)
-runs the same numbers:
+`probe.py` measures which ops give a row other bits when other rows share its call. On a CPU it is the
+linear layers: PyTorch hands a multiply to a library that picks its method by the shape (one row goes through a
+matrix-vector kernel, more through blocked ones), so `mm(a[:1], b)` and `mm(a, b)[:1]` differ in their last
+bits. `row_tiled_linear` always calls it on one shape, `ROW_TILE` rows, the last tile padded with zeros. On
+a GPU the linear layers run our own kernel (`matmul_kernel.py`), whose tiling never follows the batch.
 
-- the linear layers. On a CPU, PyTorch hands a multiply to a library that picks its method by the shape: one
-  row goes through a matrix-vector kernel, two or more through a blocked one, so `mm(a[:1], b)` and
-  `mm(a, b)[:1]` differ in the last bits. `row_tiled_linear` therefore always calls it on the same shape:
-  `ROW_TILE` rows, the last tile padded with zeros. On a GPU, our own kernel (`matmul_kernel.py`).
-- RMSNorm on a GPU, where PyTorch's reduction spreads a row over more threads when there are fewer rows:
-  there, step 13's Triton kernel, one row per program.
+`batch_invariant_twin` puts these in a twin of the loaded model that shares its weights, so that prefill,
+decode and verification, captured or eager, run the same numbers. On a GPU the twin also computes RMSNorm,
+RoPE and SiLU with the kernels that step 13's fused decode runs (`fused_path.py`), so that a token's
+arithmetic is the same in a prefill chunk and in a fused decode step; PyTorch's own versions are invariant
+but round differently from a fused kernel.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model import CausalLM, RMSNorm
+from common.model import MLP, Attention, CausalLM, RMSNorm, apply_rope
 
 ROW_TILE = 16  # rows per library call on a CPU: every call multiplies exactly this many
 
@@ -49,6 +48,26 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q and k: on a GPU by one kernel for every path (`rope_kernel.py` says why), on a CPU as the
+    model does it."""
+    if q.device.type != "cuda":
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    from step15_batch_invariant.rope_kernel import rope
+
+    return rope(q, cos, sin), rope(k, cos, sin)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: on a GPU by step 13's kernel, which its fused decode runs too; on a CPU in PyTorch."""
+    if gate.device.type != "cuda":
+        return F.silu(gate) * up
+    from step13_fused_decode.fused_kernels import silu_mul
+
+    return silu_mul(gate, up)
+
+
 class InvariantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return invariant_linear(x, self.weight, self.bias)
@@ -57,10 +76,24 @@ class InvariantLinear(nn.Linear):
 class InvariantRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cuda":
-            return super().forward(x)  # PyTorch's CPU row reductions are batch-invariant (probe.py)
-        from step13_fused_decode.fused_kernels import rms_norm  # one row per program, as the reference rounds
+            return super().forward(x)  # PyTorch's row reductions are batch-invariant here (probe.py)
+        from step13_fused_decode.fused_kernels import rms_norm  # one row per program, as fused decode runs it
 
         return rms_norm(x.contiguous(), self.weight, self.eps)
+
+
+class InvariantAttention(Attention):
+    def rotate(self, q, k, cos, sin):  # noqa: ANN001, ANN201
+        return rotate(q, k, cos, sin)
+
+
+class InvariantMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+TWINS: dict[type[nn.Module], type[nn.Module]] = {nn.Linear: InvariantLinear, RMSNorm: InvariantRMSNorm,
+                                                 Attention: InvariantAttention, MLP: InvariantMLP}
 
 
 def batch_invariant_twin(model: CausalLM) -> CausalLM:
@@ -71,8 +104,5 @@ def batch_invariant_twin(model: CausalLM) -> CausalLM:
     shared = [*model.parameters(), *model.buffers(), model.rope.cos, model.rope.sin]
     twin = copy.deepcopy(model, memo={id(tensor): tensor for tensor in shared})
     for module in twin.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = InvariantLinear
-        elif type(module) is RMSNorm:
-            module.__class__ = InvariantRMSNorm
+        module.__class__ = TWINS.get(type(module), type(module))
     return twin

@@ -4,7 +4,7 @@ y = x W^T, x: [rows, K], W: [N, K]. Each program owns one tile of `BLOCK_M` rows
 features and walks K from start to end in steps of `block_k`, accumulating in float32: so an output's sum
 is always taken over the same chunks of K, in the same order, with the same instruction, whichever tile
 its row falls in and however many rows there are. Nothing here looks at the row count: the tile comes
-from the weight's shape alone (`tile_for`), and there is no split of K (a split would add partial sums
+from the weight's number of inputs alone (`tile_for`), and there is no split of K (a split would add partial sums
 in an order that depends on how many splits the batch size called for).
 
 A library's multiply (cuBLAS, or MKL on a CPU) is free to do otherwise, and does: it picks a kernel, a
@@ -33,11 +33,12 @@ class MatmulTile:
     num_stages: int = 4
 
 
-def tile_for(n: int, k: int) -> MatmulTile:
-    """The tile for a weight of n output features and k inputs: narrow bands where there are few features,
-    so that a one-row decode step still has a program for every multiprocessor of an H200 (132)."""
-    block_n = 32 if n <= 64 * 132 else 64
-    return MatmulTile(block_n=block_n, block_k=min(128, triton.next_power_of_2(k)))
+def tile_for(k: int) -> MatmulTile:
+    """The tile for a weight of k inputs. It depends on k alone, not on the output features either: q, k and
+    v multiplied one by one (a prefill) and packed into one weight (step 13's decode) then sum every output
+    with the same instructions. Bands of 32 features give a one-row decode step a program for each of an
+    H200's 132 multiprocessors even on its narrowest weights (3,584 features: 112 bands)."""
+    return MatmulTile(block_n=32, block_k=min(128, triton.next_power_of_2(k)))
 
 
 @triton.jit
@@ -70,7 +71,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("invariant_matmul needs x's rows and the weight contiguous")
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
-    tile = tile_for(n, k)
+    tile = tile_for(k)
     grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, tile.block_n))
     _invariant_matmul_kernel[grid](x, weight, bias if bias is not None else weight, out, rows, n, k,
                                    x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,

@@ -1,7 +1,7 @@
 """Which of a forward's operations give a row other bits when other rows share its call, on this machine.
 
-Each op computes one fixed row alone, then inside calls of more rows (its neighbours random, or longer
-sequences); the row's output is compared bit for bit with the one it had alone, and the largest difference
+Each op computes one fixed row alone, then inside calls of more rows (the row last, after random
+neighbours; or a sequence beside longer ones); the row's output is compared bit for bit with the one it had alone, and the largest difference
 is kept. The ops, each first as steps 06 to 14 run it and then as step 15 does:
 
 - a linear layer (the model's gate projection), in calls of 1 to 256 rows;
@@ -93,6 +93,10 @@ class AttentionCase:
 def probe(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> list[dict[str, object]]:
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(max(BATCHES), config.hidden_size, generator=gen).to(device, dtype)
+
+    def rows(b: int) -> torch.Tensor:  # the probed row x[0] last, after b - 1 neighbours: the end of a tile
+        return torch.cat([x[1:b], x[:1]])
+
     weight = (torch.randn(config.intermediate_size, config.hidden_size, generator=gen) * 0.02).to(device, dtype)
     norm, invariant_norm = RMSNorm(config.hidden_size, config.rms_norm_eps), InvariantRMSNorm(
         config.hidden_size, config.rms_norm_eps)
@@ -103,10 +107,10 @@ def probe(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> list
     after = create_backend(kernels, device, BLOCK_SIZE, max(BATCHES),
                            {"torch": InvariantTorchBackend, "triton": InvariantTritonBackend})
     ops = [
-        ("linear", "steps 06-14", BATCHES, lambda b: F.linear(x[:b], weight)[0]),
-        ("linear", "step 15", BATCHES, lambda b: invariant_linear(x[:b], weight)[0]),
-        ("rms_norm", "steps 06-14", BATCHES, lambda b: norm(x[:b])[0]),
-        ("rms_norm", "step 15", BATCHES, lambda b: invariant_norm(x[:b])[0]),
+        ("linear", "steps 06-14", BATCHES, lambda b: F.linear(rows(b), weight)[-1]),
+        ("linear", "step 15", BATCHES, lambda b: invariant_linear(rows(b), weight)[-1]),
+        ("rms_norm", "steps 06-14", BATCHES, lambda b: norm(rows(b))[-1]),
+        ("rms_norm", "step 15", BATCHES, lambda b: invariant_norm(rows(b))[-1]),
         ("decode attention beside longer sequences", "steps 06-14", BATCHES, lambda b: case.decode_row(before, b)),
         ("decode attention beside longer sequences", "step 15", BATCHES, lambda b: case.decode_row(after, b)),
         # The first size is 1: a one-token "chunk" is the token decoded (the same call as a decode step's).

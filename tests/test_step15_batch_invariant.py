@@ -1,0 +1,193 @@
+"""step15_batch_invariant: with --batch-invariant, a request's tokens and logits are the same bits alone and in
+any batch; without it, they are not.
+
+A request's logits are caught at the output head (a forward hook), every row the engine computes; a row of
+request A alone must then appear, bit for bit, among the rows of A batched with others. Float32 logits over a
+vocabulary are never equal by accident, so a row found is A's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.loading import LoadedModel
+from common.model import apply_rope
+from common.prompts import PARITY_PROMPTS
+from common.sampling import SamplingParams
+from step15_batch_invariant.attention import split_attention
+from step15_batch_invariant.engine import BatchInvariantEngine, BatchInvariantEngineConfig
+from step15_batch_invariant.invariant_ops import InvariantLinear, batch_invariant_twin, row_tiled_linear
+from tests.helpers import step01_tokens
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+ALWAYS_PROPOSE = {"speculative_token_cost": 0.0, "speculative_step_cost": 0.0, "speculative_decode_token_cost": 0.0}
+
+
+def engine_for(loaded: LoadedModel, invariant: bool = True, **config: object) -> BatchInvariantEngine:
+    return BatchInvariantEngine(loaded, BatchInvariantEngineConfig(device="cpu", batch_invariant=invariant,
+                                                                   **config))
+
+
+def generate_recording(engine: BatchInvariantEngine, prompts: Sequence[list[int]],
+                       params: SamplingParams = GREEDY) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each prompt's tokens, and every logits row the output head computed meanwhile."""
+    rows: list[torch.Tensor] = []
+    hook = engine.model.lm_head.register_forward_hook(lambda module, inputs, out: rows.extend(out.detach().clone()))
+    try:
+        tokens = [c.token_ids for c in engine.generate(list(prompts), params)]
+    finally:
+        hook.remove()
+    return tokens, rows
+
+
+def rows_found(wanted: list[torch.Tensor], among: list[torch.Tensor]) -> int:
+    return sum(any(torch.equal(row, other) for other in among) for row in wanted)
+
+
+def chat(loaded: LoadedModel, count: int, start: int = 0) -> list[list[int]]:
+    return [loaded.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[start:start + count]]
+
+
+# ----- the bug, and each fix, op by op ---------------------------------------------------------------------
+
+
+def test_the_librarys_multiply_gives_a_row_other_bits_in_a_batch() -> None:
+    """The lesson's first example: the same row, multiplied alone and as the first of eight."""
+    a, b = torch.randn(8, 576, generator=torch.Generator().manual_seed(0)), torch.randn(576, 1536)
+    alone, batched = torch.mm(a[:1], b), torch.mm(a, b)[:1]
+    assert not torch.equal(alone, batched)
+    assert torch.allclose(alone, batched, atol=1e-4)  # both right: they only round differently
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 15, 16, 17, 40, 100])
+def test_row_tiled_linear_gives_each_row_its_bits_alone(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 96, generator=gen), torch.randn(200, 96, generator=gen), torch.randn(200)
+    batched = row_tiled_linear(x, weight, bias)
+    assert torch.allclose(batched, F.linear(x, weight, bias), atol=1e-4)
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(batched[i], row_tiled_linear(x[i:i + 1], weight, bias)[0])
+
+
+def test_split_attention_is_causal_attention() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(40, n, 16, generator=gen) for n in (6, 3, 3))
+    keys, values = F.pad(k, (0, 0, 0, 0, 0, 24))[None], F.pad(v, (0, 0, 0, 0, 0, 24))[None]  # 64 keys: 2 pieces
+    out = split_attention(q, keys, values, torch.arange(40))
+    reference = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=True, enable_gqa=True).transpose(0, 1)
+    assert torch.allclose(out, reference, atol=1e-5)
+
+
+def test_split_attention_gives_a_row_the_same_bits_beside_longer_rows_and_more_padding() -> None:
+    """Row 0 sees 20 keys: alone with 32 keys of room, or with a neighbour that sees 90 (three more pieces)."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 8, generator=gen)
+    keys, values = torch.randn(2, 96, 2, 8, generator=gen), torch.randn(2, 96, 2, 8, generator=gen)
+    alone = split_attention(q[:1], keys[:1, :32], values[:1, :32], torch.tensor([19]))
+    together = split_attention(q, keys, values, torch.tensor([19, 89]))
+    assert torch.equal(alone[0], together[0])
+
+
+def test_the_invariant_matmul_kernel_gives_each_row_its_bits_alone() -> None:
+    """Our Triton multiply, run here by Triton's interpreter: 70 rows span two tiles of 64, and each tile's first
+    row is compared with itself alone. (The interpreter's dot is NumPy's, which rounds a row by its place in
+    the tile; a GPU's tensor cores do not, and probe.py checks a row at the end of a tile there.)"""
+    from step15_batch_invariant.matmul_kernel import invariant_matmul
+
+    gen = torch.Generator().manual_seed(0)
+    x, weight, bias = torch.randn(70, 48, generator=gen), torch.randn(40, 48, generator=gen), torch.randn(40)
+    batched = invariant_matmul(x, weight, bias)
+    assert torch.allclose(batched, F.linear(x, weight, bias), atol=1e-4)
+    for i in (0, 64):
+        assert torch.equal(batched[i], invariant_matmul(x[i:i + 1], weight, bias)[0])
+
+
+def test_the_rope_kernel_is_the_models_rope() -> None:
+    from step15_batch_invariant.rope_kernel import rope
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 16, generator=gen)
+    cos, sin = torch.randn(5, 1, 16, generator=gen), torch.randn(5, 1, 16, generator=gen)
+    assert torch.allclose(rope(x, cos, sin), apply_rope(x, cos, sin), atol=1e-6)
+
+
+# ----- the engine: one request, alone and batched ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [16, 64])
+def test_a_request_is_the_same_alone_and_batched_under_any_budget(tiny: LoadedModel, budget: int) -> None:
+    prompts = chat(tiny, 5)
+    alone_tokens, alone_rows = generate_recording(engine_for(tiny), prompts[:1])
+    tokens, rows = generate_recording(engine_for(tiny, max_num_batched_tokens=budget), prompts)
+    assert tokens[0] == alone_tokens[0]
+    assert rows_found(alone_rows, rows) == len(alone_rows) == GREEDY.max_tokens
+
+
+def test_the_tokens_are_still_the_reference_tokens(tiny: LoadedModel) -> None:
+    prompts = chat(tiny, 4)
+    tokens, _ = generate_recording(engine_for(tiny, max_num_batched_tokens=16), prompts)
+    assert tokens == step01_tokens(tiny, prompts, GREEDY)
+
+
+def test_a_prefix_cache_hit_gives_the_same_logits(tiny: LoadedModel) -> None:
+    """Its second time, A's prompt is found in the cache: its K/V were computed in another batch, by the same
+    arithmetic, so its logits are those of A alone."""
+    prompts = chat(tiny, 4)
+    _, alone_rows = generate_recording(engine_for(tiny), prompts[:1])
+    engine = engine_for(tiny, max_num_batched_tokens=32)
+    generate_recording(engine, prompts)
+    hits_before = engine.stats()["prefix_cache_hits_total"]
+    tokens, rows = generate_recording(engine, [prompts[0], *chat(tiny, 3, start=4)])
+    assert engine.stats()["prefix_cache_hits_total"] > hits_before
+    assert rows_found(alone_rows, rows) == len(alone_rows)
+
+
+def test_speculation_on_and_off_gives_the_same_logits(tiny: LoadedModel) -> None:
+    """A verification row computes A's next token as a decode step would: with n-gram proposals checked at
+    every chance, A batched with others gives the rows of A decoded alone without speculation."""
+    prompts = [tiny.tokenizer.apply_chat_template("one two three one two three one two three one two")] + chat(tiny, 3)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone_tokens, alone_rows = generate_recording(engine_for(tiny), prompts[:1], params)
+    engine = engine_for(tiny, speculative_tokens=3, **ALWAYS_PROPOSE)
+    tokens, rows = generate_recording(engine, prompts, params)
+    assert engine.stats()["speculative_proposed_total"] > 0  # verification rows did run
+    assert tokens[0] == alone_tokens[0]
+    assert rows_found(alone_rows, rows) == len(alone_rows)
+
+
+@pytest.mark.embedded
+def test_the_embedded_model_alone_and_batched_with_the_mode_on_and_off(embedded: LoadedModel) -> None:
+    """The real model, multi-byte text among the prompts: with the mode off some of A's logits rows differ in
+    a batch (the bug the step fixes); with it on, none does."""
+    prompts = chat(embedded, 6)
+    found = {}
+    for invariant in (False, True):
+        alone_tokens, alone_rows = generate_recording(engine_for(embedded, invariant), prompts[:1])
+        tokens, rows = generate_recording(engine_for(embedded, invariant, max_num_batched_tokens=32), prompts)
+        found[invariant] = rows_found(alone_rows, rows)
+        if invariant:
+            assert tokens[0] == alone_tokens[0]
+    assert found[True] == GREEDY.max_tokens
+    assert found[False] < GREEDY.max_tokens
+
+
+# ----- what the mode turns on, and what it refuses -------------------------------------------------------------
+
+
+def test_the_twin_shares_the_weights_and_leaves_the_model_as_it_was(tiny: LoadedModel) -> None:
+    twin = batch_invariant_twin(tiny.model)
+    assert type(twin.lm_head) is InvariantLinear and type(tiny.model.lm_head) is torch.nn.Linear
+    assert twin.model.layers[0].mlp.up_proj.weight is tiny.model.model.layers[0].mlp.up_proj.weight
+
+
+@pytest.mark.parametrize("flags, refusal", [({"skinny_matmul": True}, "--skinny-matmul"),
+                                            ({"fused_ops": True}, "drop --fused-ops"),
+                                            ({"attn": "flash_attn"}, "--attn torch")])
+def test_what_the_mode_cannot_run_is_refused_in_one_line(tiny: LoadedModel, flags: dict, refusal: str) -> None:
+    with pytest.raises(ValueError, match=refusal):
+        engine_for(tiny, **flags)
