@@ -163,6 +163,16 @@ speculative() {
     --acceptances 0,0.5,0.7,0.9 --max-tokens 64 --output "$G/speculative-sweep.json"
 }
 
+batch_invariant() {
+  echo "== step 15: which ops change a row with its batch; 32 requests together and one at a time (engine, then server);"
+  echo "   speculation (the target as its own draft) on and off; the mode's cost at batch 1/8/64 and on the 256-sequence workload"
+  python step15_batch_invariant/probe.py --device cuda --output "$G/batch-invariance-probe.json"
+  python step15_batch_invariant/bench_invariance.py "${SEVEN_B[@]}" --parts together,speculation,decode,server \
+    --draft-model random:qwen2.5-7b --requests 32 --max-tokens 64 --output "$G/batch-invariance.json"
+  python step15_batch_invariant/bench_invariance.py --device cuda --model random:qwen3-0.6b --parts nanovllm \
+    --output "$G/batch-invariance-nanovllm.json"
+}
+
 multi_gpu() {
   echo "== step 04 on two GPUs (nvidia-h200-x2): the dry run over NCCL, tensor parallel 2 against 1, replicas 2 against 1, a burst through the server over 2 ranks"
   echo "   (step 12's engine: step 13's fused kernels are not split yet)"
@@ -220,5 +230,5 @@ all_tests() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity decode_small decode_large decode_profile profile_steps overlap kernels matmul step06_parts preempt serve stall bursts prefix nanovllm speculative checkpoint_memory all_tests)
+[ ${#sections[@]} -gt 0 ] || sections=(parity decode_small decode_large decode_profile profile_steps overlap kernels matmul step06_parts preempt serve stall bursts prefix nanovllm speculative batch_invariant checkpoint_memory all_tests)
 for section in "${sections[@]}"; do "$section"; done

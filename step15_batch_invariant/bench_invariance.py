@@ -71,12 +71,16 @@ def first_differences(runs: list[list[int]], others: list[list[int]]) -> list[in
     return [next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) for a, b in zip(runs, others) if a != b]
 
 
-def speculation(loaded: LoadedModel, invariant: bool, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+def speculation(loaded: LoadedModel, invariant: bool, prompts: list[list[int]], max_tokens: int,
+                draft_model: str | None) -> dict[str, Any]:
+    """Greedy tokens with k = 0 and 4 proposals, n-gram or from `draft_model`. The target itself as its draft
+    proposes the tokens it would pick: every proposal should be kept, so every token is verified."""
     runs, stats = [], {}
+    method = {"speculative_method": "draft", "draft_model": draft_model} if draft_model else {}
     for k in (0, 4):
-        # Costs of 0: proposals always pay, so that every step with an n-gram match verifies some.
+        # Costs of 0: proposals always pay, so that every decode step with a proposal verifies it.
         engine = make_engine(loaded, invariant, len(prompts), speculative_tokens=k, speculative_token_cost=0.0,
-                             speculative_step_cost=0.0, speculative_decode_token_cost=0.0)
+                             speculative_step_cost=0.0, speculative_decode_token_cost=0.0, **(method if k else {}))
         runs.append([c.token_ids for c in engine.generate(prompts, greedy(max_tokens))])
         stats = engine.stats()
         del engine
@@ -120,6 +124,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=32, help="requests sent together, then one at a time")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens each of those requests generates")
     p.add_argument("--batches", default="1,8,64", help="decode batches timed by the `decode` part")
+    p.add_argument("--draft-model", default=None,
+                   help="the `speculation` part's proposer: this model as a draft (default: n-gram proposals)")
     p.add_argument("--output", type=Path, default=None, help="evidence file (default runs/step15_batch_invariant/...)")
     args = p.parse_args()
     try:  # before the model loads: a bad value is one line and exit code 2
@@ -143,7 +149,8 @@ def main() -> int:
             doc.setdefault("together", {})[mode] = together_and_alone(engine, prompts, args.max_tokens)
             del engine
         if "speculation" in parts:
-            doc.setdefault("speculation", {})[mode] = speculation(loaded, invariant, prompts, args.max_tokens)
+            doc.setdefault("speculation", {})[mode] = speculation(loaded, invariant, prompts, args.max_tokens,
+                                                                  args.draft_model)
         if "server" in parts:
             server_argv = ["--step", STEP, "--model", args.model, "--device", str(device.type), "--dtype", args.dtype,
                            "--max-num-seqs", str(args.requests), *(["--batch-invariant"] if invariant else [])]

@@ -7,7 +7,8 @@ is kept. The ops, each first as steps 06 to 14 run it and then as step 15 does:
 - a linear layer (the model's gate projection), in calls of 1 to 256 rows;
 - RMSNorm, the same;
 - decode attention of a 100-token sequence beside longer ones (up to 2,000 tokens);
-- the same token's attention as the last row of a prefill chunk of 1 to 64 tokens (a budget's chunk).
+- the same token's attention as the last row of a prefill chunk of 1 to 64 tokens (a budget's chunk);
+- on a GPU, one call of our multiply through each of the tile shapes the engine picks by row count.
 
 Writes JSON evidence (`--output`) and prints a table: "same" where every bit matched.
 
@@ -120,7 +121,22 @@ def probe(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> list
          lambda c: case.decode_row(after, 1) if c == 1 else case.prefill_row(after, c)),
     ]
     with torch.inference_mode():
-        return [{"op": name, "as_in": where, "sizes": drift(row, sizes)} for name, where, sizes, row in ops]
+        results = [{"op": name, "as_in": where, "sizes": drift(row, sizes)} for name, where, sizes, row in ops]
+        if device.type == "cuda":  # Triton compiles for the GPU only (the interpreter's dot is NumPy's)
+            results.append({"op": "linear, 64 rows in each tile shape", "as_in": "step 15",
+                            "sizes": tile_shapes_agree(x[:64], weight)})
+    return results
+
+
+def tile_shapes_agree(x: torch.Tensor, weight: torch.Tensor) -> dict[str, dict[str, object]]:
+    """The same call through each tile shape the engine uses: whether all its outputs have the first's bits."""
+    from step15_batch_invariant.matmul_kernel import invariant_matmul, tile_for
+
+    tiles = {f"{t.block_m}x{t.block_n}x{t.block_k}": t for t in (tile_for(r, x.element_size()) for r in (1, 64, 256))}
+    outs = {name: invariant_matmul(x, weight, tile=tile) for name, tile in tiles.items()}
+    first = next(iter(outs.values()))
+    return {name: {"same": torch.equal(out, first), "max_abs_diff": (out.float() - first.float()).abs().max().item()}
+            for name, out in outs.items()}
 
 
 def format_table(results: list[dict[str, object]]) -> str:

@@ -94,16 +94,16 @@ def test_split_attention_gives_a_row_the_same_bits_beside_longer_rows_and_more_p
 
 
 def test_the_invariant_matmul_kernel_gives_each_row_its_bits_alone() -> None:
-    """Our Triton multiply, run here by Triton's interpreter: 70 rows span two tiles of 64, and each tile's first
-    row is compared with itself alone. (The interpreter's dot is NumPy's, which rounds a row by its place in
-    the tile; a GPU's tensor cores do not, and probe.py checks a row at the end of a tile there.)"""
+    """Our Triton multiply, run here by Triton's interpreter: 150 rows span two tiles of 128, and each tile's
+    first row is compared with itself alone. (The interpreter's dot is NumPy's, which rounds a row by its place
+    in the tile and by the tile's shape; a GPU's tensor cores do neither, which probe.py checks there.)"""
     from step15_batch_invariant.matmul_kernel import invariant_matmul
 
     gen = torch.Generator().manual_seed(0)
-    x, weight, bias = torch.randn(70, 48, generator=gen), torch.randn(40, 48, generator=gen), torch.randn(40)
+    x, weight, bias = torch.randn(150, 48, generator=gen), torch.randn(40, 48, generator=gen), torch.randn(40)
     batched = invariant_matmul(x, weight, bias)
     assert torch.allclose(batched, F.linear(x, weight, bias), atol=1e-4)
-    for i in (0, 64):
+    for i in (0, 128):
         assert torch.equal(batched[i], invariant_matmul(x[i:i + 1], weight, bias)[0])
 
 
