@@ -212,6 +212,24 @@ EXERCISES = [
         step="step14_overlap_scheduling",
         lesson="step14_overlap_scheduling/README.md",
     ),
+    Exercise(
+        id="15-row-tiles",
+        stub_module="ex15_row_tiles",
+        target="step15_batch_invariant.invariant_ops:row_tiled_linear",
+        tests=("tests/test_step15_batch_invariant.py", "-k",
+               "row_tiled or alone_and_batched_under_any_budget and llama or reference_tokens and qwen3"),
+        step="step15_batch_invariant",
+        lesson="step15_batch_invariant/README.md",
+    ),
+    Exercise(
+        id="15-split-attention",
+        stub_module="ex15_split_attention",
+        target="step15_batch_invariant.attention:split_attention",
+        tests=("tests/test_step15_batch_invariant.py", "-k",
+               "split_attention or alone_and_batched_under_any_budget and qwen2 or prefix_cache_hit and llama"),
+        step="step15_batch_invariant",
+        lesson="step15_batch_invariant/README.md",
+    ),
 ]
 
 

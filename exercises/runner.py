@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 SOLVED_FILE = REPO / ".exercises-solved.json"
 # Steps whose dry run fixes its own workload and takes no --max-tokens (step 05 profiles a few steps of its own).
 FIXED_DRY_RUNS = ("step05_profiling",)
+# Steps whose exercise lives behind a switch that is off by default: their dry run turns it on.
+DRY_RUN_SWITCHES = {"step15_batch_invariant": ["--batch-invariant"]}
 
 
 @contextmanager
@@ -90,13 +92,15 @@ def run_dry_run(exercise: Exercise, function: Callable[..., Any]) -> bool:
     from common.steps import STEP_NAMES
 
     print(f"\n--- {exercise.step}/run.py --dry-run, with your code ---")
-    flags = ["--dry-run", "--max-tokens", "6"]
+    flags = ["--dry-run", "--max-tokens", "6", *DRY_RUN_SWITCHES.get(exercise.step, [])]
     with patched(exercise, function):
         try:
             if exercise.step not in STEP_NAMES:  # a step outside the chain (04, 05) has a run.py of its own
                 own_flags = ["--dry-run"] if exercise.step in FIXED_DRY_RUNS else flags
                 return importlib.import_module(f"{exercise.step}.run").main(own_flags) == 0
-            return main(exercise.step, None, flags) == 0
+            # The step's own switches too: its exercise may sit behind one (DRY_RUN_SWITCHES).
+            add_arguments = getattr(importlib.import_module(f"{exercise.step}.run"), "add_arguments", None)
+            return main(exercise.step, None, flags, add_arguments=add_arguments) == 0
         except Exception as err:  # the learner's code may raise anything; say what, and that it failed
             print(f"your code raised {type(err).__name__}: {err}")
             return False

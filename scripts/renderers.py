@@ -417,6 +417,39 @@ def render_step_breakdown(path: str, doc: Doc) -> list[str]:
     return markdown(["step (ms)", *parts, "step, profiled"], rows)
 
 
+def render_invariance_probe(path: str, doc: Doc) -> list[str]:
+    """step15_batch_invariant/probe.py: per op and version, the call sizes at which the probed row came out with
+    other bits than alone, and by how much at most."""
+    rows = []
+    for r in doc["results"]:
+        differ = [size for size, v in r["sizes"].items() if not v["same"]]
+        largest = max(v["max_abs_diff"] for v in r["sizes"].values())
+        rows.append([r["op"], r["as_in"], ", ".join(r["sizes"]), ", ".join(differ) or "none",
+                     f"{largest:.1e}" if largest else "0"])
+    return markdown(["op", "as in", "sizes tried", "other bits at", "largest difference"], rows, text_columns=4)
+
+
+INVARIANCE_PARTS = {"together": "together, then one at a time: same tokens",
+                    "server": "through the server, together, then one at a time: same text",
+                    "speculation": "speculation on and off: same tokens"}
+
+
+def render_invariance(path: str, doc: Doc) -> list[str]:
+    """step15_batch_invariant/bench_invariance.py: per comparison, how many requests came back the same, with
+    the mode off and on."""
+    rows = [[INVARIANCE_PARTS[part], *(f"{doc[part][m]['same']} of {doc[part][m]['requests']}" for m in ("off", "on"))]
+            for part in INVARIANCE_PARTS if part in doc]
+    return markdown(["requests", "mode off", "mode on"], rows)
+
+
+def render_invariance_cost(path: str, doc: Doc) -> list[str]:
+    """bench_invariance.py's speed parts: per workload, output tok/s with the mode off and on, and on / off."""
+    speed = doc["speed"]
+    rows = [[name, f"{off:.1f}", f"{speed['on'][name]:.1f}", f"{speed['on_vs_off'][name]:.2f}x"]
+            for name, off in speed["off"].items()]
+    return markdown(["workload", "tok/s, off", "tok/s, on", "on / off"], rows)
+
+
 @dataclass(frozen=True)
 class Renderer:
     kind: str
@@ -450,4 +483,7 @@ RENDERERS = (
     Renderer("step-profile", lambda doc: "breakdown_ms" in first(doc, "rows"), render_step_profile),
     Renderer("step-phases", lambda doc: "breakdown_ms" in first(doc, "rows"), render_step_phases),
     Renderer("step-breakdown", lambda doc: "breakdown_ms" in first(doc, "rows"), render_step_breakdown),
+    Renderer("invariance-probe", lambda doc: "as_in" in first(doc, "results"), render_invariance_probe),
+    Renderer("invariance", lambda doc: any(part in doc for part in INVARIANCE_PARTS), render_invariance),
+    Renderer("invariance-cost", lambda doc: "on_vs_off" in doc.get("speed", {}), render_invariance_cost),
 )

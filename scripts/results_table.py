@@ -29,6 +29,9 @@ The kind of a file is read from what it holds (scripts/renderers.py: `RENDERERS`
     oracle, oracle-sweep  step11_speculative_decoding/bench_oracle.py: gpu/speculative-*.json; oracle-sweep is the
                           time per token only, batch and k x acceptance
     tensor-parallel       step04_multi_gpu/bench_tensor_parallel.py: cpu/tensor-parallel.json
+    invariance-probe      step15_batch_invariant/probe.py: */batch-invariance-probe.json
+    invariance,           step15_batch_invariant/bench_invariance.py: */batch-invariance*.json; invariance-cost is
+    invariance-cost       the speed parts (mode on against off)
 
 In a README, every table generated here starts with its source line (`<!-- results/....json: ... -->`);
 `--refresh` regenerates each such table in place, as the kind whose header shares the most columns with the

@@ -18,9 +18,9 @@ from common.loading import LoadedModel
 from common.model import apply_rope
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
-from step15_batch_invariant.attention import split_attention
+from step15_batch_invariant import attention, invariant_ops
 from step15_batch_invariant.engine import BatchInvariantEngine, BatchInvariantEngineConfig
-from step15_batch_invariant.invariant_ops import InvariantLinear, batch_invariant_twin, row_tiled_linear
+from step15_batch_invariant.invariant_ops import InvariantLinear, batch_invariant_twin
 from tests.helpers import step01_tokens
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -67,17 +67,17 @@ def test_the_librarys_multiply_gives_a_row_other_bits_in_a_batch() -> None:
 def test_row_tiled_linear_gives_each_row_its_bits_alone(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     x, weight, bias = torch.randn(rows, 96, generator=gen), torch.randn(200, 96, generator=gen), torch.randn(200)
-    batched = row_tiled_linear(x, weight, bias)
+    batched = invariant_ops.row_tiled_linear(x, weight, bias)
     assert torch.allclose(batched, F.linear(x, weight, bias), atol=1e-4)
     for i in {0, rows // 2, rows - 1}:
-        assert torch.equal(batched[i], row_tiled_linear(x[i:i + 1], weight, bias)[0])
+        assert torch.equal(batched[i], invariant_ops.row_tiled_linear(x[i:i + 1], weight, bias)[0])
 
 
 def test_split_attention_is_causal_attention() -> None:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(40, n, 16, generator=gen) for n in (6, 3, 3))
     keys, values = F.pad(k, (0, 0, 0, 0, 0, 24))[None], F.pad(v, (0, 0, 0, 0, 0, 24))[None]  # 64 keys: 2 pieces
-    out = split_attention(q, keys, values, torch.arange(40))
+    out = attention.split_attention(q, keys, values, torch.arange(40))
     reference = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                is_causal=True, enable_gqa=True).transpose(0, 1)
     assert torch.allclose(out, reference, atol=1e-5)
@@ -88,8 +88,8 @@ def test_split_attention_gives_a_row_the_same_bits_beside_longer_rows_and_more_p
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(2, 4, 8, generator=gen)
     keys, values = torch.randn(2, 96, 2, 8, generator=gen), torch.randn(2, 96, 2, 8, generator=gen)
-    alone = split_attention(q[:1], keys[:1, :32], values[:1, :32], torch.tensor([19]))
-    together = split_attention(q, keys, values, torch.tensor([19, 89]))
+    alone = attention.split_attention(q[:1], keys[:1, :32], values[:1, :32], torch.tensor([19]))
+    together = attention.split_attention(q, keys, values, torch.tensor([19, 89]))
     assert torch.equal(alone[0], together[0])
 
 
