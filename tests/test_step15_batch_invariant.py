@@ -191,3 +191,12 @@ def test_the_twin_shares_the_weights_and_leaves_the_model_as_it_was(tiny: Loaded
 def test_what_the_mode_cannot_run_is_refused_in_one_line(tiny: LoadedModel, flags: dict, refusal: str) -> None:
     with pytest.raises(ValueError, match=refusal):
         engine_for(tiny, **flags)
+
+
+def test_tensor_parallelism_refuses_the_mode_before_spawning() -> None:
+    from step04_multi_gpu.sharding import TensorParallelConfigError
+    from step04_multi_gpu.tensor_parallel import TensorParallelEngine
+
+    with pytest.raises(TensorParallelConfigError, match="--batch-invariant is not split"):
+        TensorParallelEngine("step15_batch_invariant", BatchInvariantEngineConfig(model="tiny-llama", device="cpu",
+                                                                                  batch_invariant=True), 3)
