@@ -165,10 +165,16 @@ speculative() {
 
 batch_invariant() {
   echo "== step 15: which ops change a row with its batch; 32 requests together and one at a time (engine, then server);"
-  echo "   speculation (the target as its own draft) on and off; the mode's cost at batch 1/8/64 and on the 256-sequence workload"
+  echo "   speculation (the target as its own draft) on and off"
   python step15_batch_invariant/probe.py --device cuda --output "$G/batch-invariance-probe.json"
-  python step15_batch_invariant/bench_invariance.py "${SEVEN_B[@]}" --parts together,speculation,decode,server \
+  python step15_batch_invariant/bench_invariance.py "${SEVEN_B[@]}" --parts together,speculation,server \
     --draft-model random:qwen2.5-7b --requests 32 --max-tokens 64 --output "$G/batch-invariance.json"
+}
+
+batch_invariant_cost() {
+  echo "== step 15's cost, mode on against off: decode at batch 1/8/64 (7B), the 256-sequence workload (0.6B)"
+  python step15_batch_invariant/bench_invariance.py "${SEVEN_B[@]}" --parts decode --batches 1,8,64 \
+    --output "$G/batch-invariance-cost.json"
   python step15_batch_invariant/bench_invariance.py --device cuda --model random:qwen3-0.6b --parts nanovllm \
     --output "$G/batch-invariance-nanovllm.json"
 }
@@ -230,5 +236,5 @@ all_tests() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -gt 0 ] || sections=(parity decode_small decode_large decode_profile profile_steps overlap kernels matmul step06_parts preempt serve stall bursts prefix nanovllm speculative batch_invariant checkpoint_memory all_tests)
+[ ${#sections[@]} -gt 0 ] || sections=(parity decode_small decode_large decode_profile profile_steps overlap kernels matmul step06_parts preempt serve stall bursts prefix nanovllm speculative batch_invariant batch_invariant_cost checkpoint_memory all_tests)
 for section in "${sections[@]}"; do "$section"; done
