@@ -136,6 +136,12 @@ FIGURES = [
      lambda d: (1, "step vs off", f"{d['runs'][1]['ms_per_step'] / d['runs'][0]['ms_per_step']:.2f}x")),
     ("tensor-parallel", "results/cpu/tensor-parallel.json",
      lambda d: (2, "all-reduces per step", f"{d['runs'][2]['all_reduces_per_step']:.0f}")),
+    ("invariance-probe", "results/cpu/batch-invariance-probe.json",  # row 0: the library's multiply
+     lambda d: (0, "other bits at", ", ".join(n for n, r in d["results"][0]["sizes"].items() if not r["same"]))),
+    ("invariance", "results/cpu/batch-invariance.json",
+     lambda d: (0, "mode on", f"{d['together']['on']['same']} of {d['together']['on']['requests']}")),
+    ("invariance-cost", "results/cpu/batch-invariance.json",
+     lambda d: (0, "on / off", f"{next(iter(d['speed']['on_vs_off'].values())):.2f}x")),
     ("oracle-sweep", f"{GPU}/speculative-sweep.json",  # row 1: batch 1, k = 4
      lambda d: (1, "a = 0.9", next(f"{r['time_per_token_vs_off']:.2f}x" for r in d["runs"]
                                    if (r["batch"], r["k"], r["acceptance"]) == (1, 4, 0.9)))),
