@@ -40,10 +40,15 @@ PARTS = ("together", "server", "speculation", "decode", "nanovllm")
 STEP = "step15_batch_invariant"
 
 
-def make_engine(loaded: LoadedModel, invariant: bool, max_num_seqs: int, **config: Any) -> BatchInvariantEngine:
-    gc.collect()  # the last engine's pool and graphs go before this one sizes its own
-    if loaded.model.device.type == "cuda":
+def release_memory(device: torch.device) -> None:
+    """Give the last engine's pool and graphs back, before another engine sizes its own."""
+    gc.collect()
+    if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def make_engine(loaded: LoadedModel, invariant: bool, max_num_seqs: int, **config: Any) -> BatchInvariantEngine:
+    release_memory(loaded.model.device)
     return BatchInvariantEngine(loaded, BatchInvariantEngineConfig(
         model=loaded.name, device=str(loaded.model.device), batch_invariant=invariant, max_num_seqs=max_num_seqs,
         **config))
@@ -156,6 +161,7 @@ def main() -> int:
                            "--max-num-seqs", str(args.requests), *(["--batch-invariant"] if invariant else [])]
             texts = [f"{PARITY_PROMPTS[i % len(PARITY_PROMPTS)]} ({i // len(PARITY_PROMPTS)})"
                      for i in range(args.requests)]
+            release_memory(device)  # the server is another process: it sizes its pool from what this one frees
             with server_process(server_argv) as base_url:
                 doc.setdefault("server", {})[mode] = asyncio.run(
                     served_together_and_alone(base_url, args.model, texts, args.max_tokens))
