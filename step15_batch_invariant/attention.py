@@ -9,8 +9,8 @@ running softmax in order. A piece past the row's own position is all masked, and
 (it scales by exp(0) = 1 and adds 0), so a longer neighbour in the batch changes nothing.
 
 - `InvariantTorchBackend` (any device; a CPU's default): `split_attention` in plain PyTorch.
-- `InvariantTritonBackend` (GPU): step 06's kernels, the decode kernel never splitting a sequence: every row
-  folds its 64-key tiles in order, as the prefill kernel does.
+- `InvariantTritonBackend` (GPU): every row through step 06's prefill tile body, decode rows included: 64-key
+  tiles folded in order, eager or over step 12's tile list.
 """
 
 from __future__ import annotations
@@ -84,21 +84,14 @@ class InvariantTorchBackend(TorchBackend):
 
 
 class InvariantTritonBackend(TileListTritonBackend):
-    """Step 12's Triton backend whose decode never splits a sequence: each row walks its 64-key tiles from the
-    first, in order, as the prefill kernel does for the same token in any chunk.
-
-    Two kernels do that: the prefill kernel, one program per query head (a decode row as a chunk of one), and
-    step 06's decode kernel with one split, one program per KV head and its group of query heads. They compute a
-    row alike (`probe.py` checks it), so the batch may choose: the prefill kernel while the batch leaves
-    multiprocessors idle, the decode kernel, which loads each key once for its whole group, once it does not.
-    Without splits a long context at a small batch keeps few multiprocessors busy: the cost
-    `bench_invariance.py` measures."""
+    """Step 12's Triton backend whose decode is a prefill of one token per request: the same tile body, the same
+    64-key tiles in the same order, as that token gets in any prefill chunk. Step 06's decode kernel with one split
+    folds the same tiles in the same order too, yet on the H200 it gives other bits (`probe.py`: its arithmetic
+    is compiled differently), so it is not used. No splits: a long context at a small batch keeps few
+    multiprocessors busy, and each query head reads its keys itself: the cost `bench_invariance.py` measures."""
 
     def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
         return 1
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata):
-        batch, kv_heads = q.shape[0], k_cache.shape[2]
-        if batch * kv_heads < self.num_sms:
-            return self.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens, 1)
-        return self.kernels.paged_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, num_splits=1)
+        return self.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens, 1)
