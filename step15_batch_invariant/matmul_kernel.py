@@ -36,10 +36,9 @@ class MatmulTile:
 
 
 def tile_for(rows: int, element_size: int = 2) -> MatmulTile:
-    """The tile for a call of `rows` rows, from the H200 sweep (decode shapes of Qwen2.5-7B): 16 x 32 tiles
-    with 256 of K per step at up to 16 rows (from 0.97x to 1.16x cuBLAS's speed at one row), 64 x 32 up to
-    64, and 128 x 128 by 64 for a prefill (0.7x to 0.8x cuBLAS's at 2,048 rows). float32 halves the K step, so
-    that the pipeline still fits in shared memory."""
+    """The tile for a call of `rows` rows, picked in a sweep of Qwen2.5-7B's decode shapes on the H200 (not kept
+    as evidence yet): 16 x 32 tiles with 256 of K per step at up to 16 rows, 64 x 32 up to 64, and 128 x 128 by
+    64 for a prefill. float32 halves the K step, so that the pipeline still fits in shared memory."""
     shrink = element_size // 2
     if os.environ.get("TRITON_INTERPRET") == "1" or rows > 64:
         return MatmulTile(128, 128, 64 // shrink, num_warps=8, num_stages=3)
