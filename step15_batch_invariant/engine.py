@@ -2,15 +2,16 @@
 
 A request's numbers depend on its neighbours wherever a kernel picks how to sum by the shape of the batch:
 the library's matrix multiply (a matrix-vector kernel for one row, blocked kernels and splits of K for more),
-the decode kernel's number of splits, the prefill kernel's tiles against the decode kernel's, a reduction
-spread over more threads when there are fewer rows. Each pick is correct, and each rounds differently, so a
+the decode kernel's number of splits, the prefill kernel's tiles against the decode kernel's (`probe.py`
+measures which ops vary on a machine). Each pick is correct, and each rounds differently, so a
 greedy request can take another token when it is batched with others. Then greedy output is not
 reproducible, speculative decoding (step 11) is not exactly output-preserving, and a user cannot test an
 application against the server.
 
 `--batch-invariant` (off by default: it costs speed) makes every row's arithmetic a function of that row
-alone. Against step 14, `BatchInvariantEngine` changes two things before anything is built or captured:
-- the model's linear layers and norms (`invariant_ops.batch_invariant_twin`): one tiling for every row count;
+alone. Against step 14, `BatchInvariantEngine` changes three things before anything is built or captured:
+- the model's linear layers, norms, RoPE and SiLU (`invariant_ops.batch_invariant_twin`): one order of every
+  sum for every row count, and on a GPU the same kernels as the fused decode;
 - the attention backend (`attention.py`): every row summed over fixed pieces of its keys, in order, whether it
   decodes, ends a prefill chunk, or verifies a proposal.
 - on a GPU, step 13's fused decode, whose every op is made the same arithmetic as the model's (`fused_path.py`).
