@@ -109,6 +109,20 @@ def embed_for_norm(input_ids: torch.Tensor, table: torch.Tensor, norm_weight: to
 
 
 @triton.jit
+def rotate_head(src, dst, cos_row, sin_row, d, HALF: tl.constexpr):
+    """RoPE on one head's vector at `src`, stored at `dst` in its dtype: computed in float32, rounded once."""
+    x1 = tl.load(src + d).to(tl.float32)
+    x2 = tl.load(src + HALF + d).to(tl.float32)
+    cos1 = tl.load(cos_row + d).to(tl.float32)
+    cos2 = tl.load(cos_row + HALF + d).to(tl.float32)
+    sin1 = tl.load(sin_row + d).to(tl.float32)
+    sin2 = tl.load(sin_row + HALF + d).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1)
+    tl.store(dst + d, (x1 * cos1 - x2 * sin1).to(dst.dtype.element_ty))
+    tl.store(dst + HALF + d, (x2 * cos2 + x1 * sin2).to(dst.dtype.element_ty))
+
+
+@triton.jit
 def _rope_and_kv_write_kernel(Q, K, V, COS, SIN, Q_OUT, K_CACHE, V_CACHE, SLOTS, stride_qt, stride_qh,
                               stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_slot,
                               HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
@@ -130,15 +144,7 @@ def _rope_and_kv_write_kernel(Q, K, V, COS, SIN, Q_OUT, K_CACHE, V_CACHE, SLOTS,
         v_dst = V_CACHE + slot * stride_slot + (h - HEADS) * 2 * HALF
         tl.store(v_dst + d, tl.load(v_src + d))
         tl.store(v_dst + HALF + d, tl.load(v_src + HALF + d))
-    x1 = tl.load(src + d).to(tl.float32)
-    x2 = tl.load(src + HALF + d).to(tl.float32)
-    cos1 = tl.load(COS + t * stride_ct + d).to(tl.float32)
-    cos2 = tl.load(COS + t * stride_ct + HALF + d).to(tl.float32)
-    sin1 = tl.load(SIN + t * stride_ct + d).to(tl.float32)
-    sin2 = tl.load(SIN + t * stride_ct + HALF + d).to(tl.float32)
-    # x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1)
-    tl.store(dst + d, (x1 * cos1 - x2 * sin1).to(Q_OUT.dtype.element_ty))
-    tl.store(dst + HALF + d, (x2 * cos2 + x1 * sin2).to(Q_OUT.dtype.element_ty))
+    rotate_head(src, dst, COS + t * stride_ct, SIN + t * stride_ct, d, HALF)
 
 
 def rotate_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

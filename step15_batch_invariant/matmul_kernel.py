@@ -26,6 +26,9 @@ import triton
 import triton.language as tl
 
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read once: Triton chose its mode at its import
+
+
 @dataclass(frozen=True)
 class MatmulTile:
     block_m: int
@@ -40,7 +43,7 @@ def tile_for(rows: int, element_size: int = 2) -> MatmulTile:
     as evidence yet): 16 x 32 tiles with 256 of K per step at up to 16 rows, 64 x 32 up to 64, and 128 x 128 by
     64 for a prefill. float32 halves the K step, so that the pipeline still fits in shared memory."""
     shrink = element_size // 2
-    if os.environ.get("TRITON_INTERPRET") == "1" or rows > 64:
+    if INTERPRETED or rows > 64:
         return MatmulTile(128, 128, 64 // shrink, num_warps=8, num_stages=3)
     if rows > 16:
         return MatmulTile(64, 32, 256 // shrink)
