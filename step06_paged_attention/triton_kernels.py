@@ -247,37 +247,45 @@ def _attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, start,
 
 
 @triton.jit
+def attend_causally(q, pos, first_pos, context, scale, K_CACHE, V_CACHE, TABLE_ROW, kv_head, d, stride_slot,
+                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Attention of BLOCK_M query rows `q` of one sequence, at positions `pos` (none before `first_pos`, none
+    past `first_pos + BLOCK_M - 1`), over its cached keys below `context`. Returns [BLOCK_M, HEAD_DIM] float32."""
+    q = (q.to(tl.float32) * scale).to(q.dtype)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    last = tl.minimum(first_pos + BLOCK_M, context)  # causal: no key past the last row
+    # Every row sees every key up to `first_pos`: whole key tiles there need no causal mask. For a chunk
+    # over a long cached prefix that is nearly all of them; only the tiles on the diagonal are masked.
+    seen_by_all = (first_pos + 1) // TILE * TILE
+    m_i, l_i, acc = _attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, 0, seen_by_all, last,
+                                      kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False)
+    m_i, l_i, acc = _attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, seen_by_all, last, last,
+                                      kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, True)
+    return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+
+
+@triton.jit
 def prefill_tile(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scale, b, m_tile, h,
                   stride_qt, stride_qh, stride_bt, stride_slot, stride_ot, stride_oh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                   TILE: tl.constexpr, PRECISION: tl.constexpr):
     """One program's work: query rows `m_tile * BLOCK_M ..` of request `b`'s new tokens, head `h`."""
-    kv_head = h // GROUP
     q_start = tl.load(CU_Q + b)
     q_len = tl.load(CU_Q + b + 1) - q_start
     context = tl.load(CONTEXT_LENS + b)  # cached prefix + this request's new tokens
     if m_tile * BLOCK_M < q_len:
         rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < q_len
-        pos = context - q_len + rows  # each new token's position in its sequence
+        first_pos = context - q_len + m_tile * BLOCK_M  # the first row's position in its sequence
         d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        q = (q.to(tl.float32) * scale).to(q.dtype)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        first_pos = context - q_len + m_tile * BLOCK_M  # the first row's position
-        last = tl.minimum(first_pos + BLOCK_M, context)  # causal: no key past the last row
-        # Every row sees every key up to `first_pos`: whole key tiles there need no causal mask. For a chunk
-        # over a long cached prefix that is nearly all of them; only the tiles on the diagonal are masked.
-        seen_by_all = (first_pos + 1) // TILE * TILE
-        table_row = BLOCK_TABLE + b * stride_bt
-        m_i, l_i, acc = _attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, table_row, 0, seen_by_all, last,
-                                          kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False)
-        m_i, l_i, acc = _attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, table_row, seen_by_all, last, last,
-                                          kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, True)
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = attend_causally(q, first_pos + tl.arange(0, BLOCK_M), first_pos, context, scale, K_CACHE, V_CACHE,
+                              BLOCK_TABLE + b * stride_bt, h // GROUP, d, stride_slot, HEAD_DIM, BLOCK_SIZE,
+                              BLOCK_M, TILE, PRECISION)
         tl.store(OUT + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
                  out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 

@@ -9,8 +9,8 @@ running softmax in order. A piece past the row's own position is all masked, and
 (it scales by exp(0) = 1 and adds 0), so a longer neighbour in the batch changes nothing.
 
 - `InvariantTorchBackend` (any device; a CPU's default): `split_attention` in plain PyTorch.
-- `InvariantTritonBackend` (GPU): every row through step 06's prefill tile body, decode rows included: 64-key
-  tiles folded in order, eager or over step 12's tile list.
+- `InvariantTritonBackend` (GPU): every row through step 06's prefill tile body, decode rows included (a
+  group's heads as one program's rows): 64-key tiles folded in order, eager or over step 12's tile list.
 """
 
 from __future__ import annotations
@@ -84,14 +84,19 @@ class InvariantTorchBackend(TorchBackend):
 
 
 class InvariantTritonBackend(TileListTritonBackend):
-    """Step 12's Triton backend whose decode is a prefill of one token per request: the same tile body, the same
-    64-key tiles in the same order, as that token gets in any prefill chunk. Step 06's decode kernel with one split
-    folds the same tiles in the same order too, yet on the H200 it gives other bits (`probe.py`: its arithmetic
-    is compiled differently), so it is not used. No splits: a long context at a small batch keeps few
-    multiprocessors busy, and each query head reads its keys itself: the cost `bench_invariance.py` measures."""
+    """Step 12's Triton backend whose decode runs the prefill kernel's arithmetic (`decode_kernel.py`): the same
+    tile body, the same 64-key tiles in the same order, as the token gets in any prefill chunk. Step 06's decode
+    kernel with one split folds the same tiles in the same order too, yet on the H200 it gives other bits
+    (`probe.py`; its tile has 16 rows, not the prefill's 64: another shape, compiled to other arithmetic), so it
+    is not used. No splits: a long context at a small batch keeps few multiprocessors busy, the cost
+    `bench_invariance.py` measures."""
 
     def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
         return 1
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata):
-        return self.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens, 1)
+        from step15_batch_invariant.decode_kernel import QUERY_ROWS, grouped_decode  # Triton is optional
+
+        if q.shape[1] // k_cache.shape[2] > QUERY_ROWS:  # a group too big for one program: a program per head
+            return self.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens, 1)
+        return grouped_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens)

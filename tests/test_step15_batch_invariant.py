@@ -107,6 +107,29 @@ def test_the_invariant_matmul_kernel_gives_each_row_its_bits_alone() -> None:
         assert torch.equal(batched[i], invariant_matmul(x[i:i + 1], weight, bias)[0])
 
 
+def test_grouped_decode_gives_each_head_the_prefill_kernels_bits() -> None:
+    """A program per KV head, its group's query heads as rows, against step 06's prefill kernel with one row per
+    request (a program per head): the same bits for sequences shorter than one key tile, on one, and past two."""
+    from step06_paged_attention.triton_kernels import paged_prefill
+    from step15_batch_invariant.decode_kernel import grouped_decode
+
+    gen = torch.Generator().manual_seed(0)
+    lens, block_size = [5, 64, 130], 16
+    blocks = [-(-n // block_size) for n in lens]
+    k, v = (torch.randn(sum(blocks), block_size, 2, 16, generator=gen) for _ in range(2))
+    starts = [sum(blocks[:i]) for i in range(len(lens))]
+    table = torch.tensor([[s + j if j < n else 0 for j in range(max(blocks))] for s, n in zip(starts, blocks)],
+                         dtype=torch.int32)
+    q = torch.randn(len(lens), 6, 16, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    grouped = grouped_decode(q, k, v, table, seq_lens)
+    one_row_each = paged_prefill(q, k, v, table, torch.arange(len(lens) + 1, dtype=torch.int32), seq_lens, 1)
+    assert torch.equal(grouped, one_row_each)
+    reference = attention.split_attention(q[:1], k.flatten(0, 1)[None, :32], v.flatten(0, 1)[None, :32],
+                                          torch.tensor([4]))
+    assert torch.allclose(grouped[:1], reference, atol=1e-5)
+
+
 def test_the_rope_kernel_is_the_models_rope() -> None:
     from step15_batch_invariant.rope_kernel import rope
 

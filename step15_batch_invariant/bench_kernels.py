@@ -1,0 +1,164 @@
+"""The batch-invariant kernels on a GPU: are their bits the same in every launch, and what does each launch cost?
+
+Two parts, each timed as a replayed CUDA graph (step 06's `timed_ms`), so a figure is the GPU's time per call:
+
+- `matmul`: each linear layer of a model (Qwen2.5-7B's by default) at 1, 8 and 64 rows, by cuBLAS and by
+  `invariant_matmul` in every tile of a sweep (rows by features by K per step, and pipeline stages). For each
+  tile: whether every output has the bits of the engine's own tile (`tile_for`), and whether row 0 has the
+  bits it has multiplied alone. This sweep is where `tile_for`'s choices come from.
+- `attention`: decode attention at batches of 1 to 64 and contexts of 160 to 4,096 tokens, three ways: step
+  06's decode kernel (splits chosen by the batch), step 06's prefill kernel with one row per request (a
+  program per query head), and step 15's `grouped_decode` (a program per KV head); whether the last two give
+  the same bits.
+
+    python step15_batch_invariant/bench_kernels.py --output results/gpu/batch-invariance-kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from common.bench import default_output, evidence_header, write_json
+from common.cli import CommandLineError, Parser, check_device, fail, parse_names, parse_sizes
+from common.config import ModelConfig, bundled_config_names, load_bundled_config
+from step06_paged_attention.backends import TritonBackend
+from step06_paged_attention.kernel_bench import timed_ms
+from step06_paged_attention.triton_kernels import paged_decode, paged_prefill
+from step15_batch_invariant.decode_kernel import grouped_decode
+from step15_batch_invariant.matmul_kernel import MatmulTile, invariant_matmul, tile_for
+
+PARTS = ("matmul", "attention")
+REPEATS = 20
+BLOCK_SIZE = 16
+
+
+def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(features out, features in) of each multiply of a decode step, as the engine packs them (step 13)."""
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    return {"qkv": (qkv, config.hidden_size), "o": (config.hidden_size, config.num_heads * config.head_dim),
+            "gate_up": (2 * config.intermediate_size, config.hidden_size),
+            "down": (config.hidden_size, config.intermediate_size), "lm_head": (config.vocab_size, config.hidden_size)}
+
+
+def tiles_tried(rows: int) -> list[MatmulTile]:
+    """Row bands of 16 up to 16 rows, of 32 or 64 above; 16 to 64 features; 128 or 256 of K; 3 or 4 stages."""
+    bands = (16,) if rows <= 16 else (32, 64)
+    return [MatmulTile(m, n, k, num_stages=s) for m in bands for n in (16, 32, 64) for k in (128, 256) for s in (3, 4)]
+
+
+def tile_name(tile: MatmulTile) -> str:
+    return f"{tile.block_m}x{tile.block_n}x{tile.block_k} s{tile.num_stages} w{tile.num_warps}"
+
+
+def matmul_part(config: ModelConfig, device: torch.device, rows_list: list[int]) -> list[dict[str, Any]]:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    results = []
+    for name, (n, k) in linear_shapes(config).items():
+        weight = (torch.randn(n, k, generator=gen) * 0.02).to(device, torch.bfloat16)
+        x_all = torch.randn(max(rows_list), k, generator=gen).to(device, torch.bfloat16)
+        alone = invariant_matmul(x_all[:1], weight)[0]  # row 0 multiplied by itself, with the engine's tile
+        for rows in rows_list:
+            x = x_all[:rows]
+            engine_tile = tile_for(rows)
+            reference = invariant_matmul(x, weight, tile=engine_tile)
+            point: dict[str, Any] = {"linear": name, "n": n, "k": k, "rows": rows,
+                                     "engine_tile": tile_name(engine_tile),
+                                     "cublas_ms": timed_ms(lambda: F.linear(x, weight), REPEATS), "tiles": {}}
+            for tile in tiles_tried(rows) + ([engine_tile] if engine_tile not in tiles_tried(rows) else []):
+                out = invariant_matmul(x, weight, tile=tile)
+                point["tiles"][tile_name(tile)] = {
+                    "ms": timed_ms(lambda: invariant_matmul(x, weight, tile=tile), REPEATS),
+                    "same_as_engine_tile": torch.equal(out, reference), "row_same_as_alone": torch.equal(out[0], alone)}
+            best = min(point["tiles"], key=lambda t: point["tiles"][t]["ms"])
+            point["best_tile"] = best
+            print(f"{name:<8} {rows:>3} rows: cuBLAS {point['cublas_ms'] * 1e3:7.1f} us, engine tile "
+                  f"{point['tiles'][point['engine_tile']]['ms'] * 1e3:7.1f} us, best {best} "
+                  f"{point['tiles'][best]['ms'] * 1e3:7.1f} us; all bits the same: "
+                  f"{all(t['same_as_engine_tile'] and t['row_same_as_alone'] for t in point['tiles'].values())}")
+            results.append(point)
+    return results
+
+
+class DecodeCase:
+    """`batch` sequences of `context` tokens each in a shuffled paged pool, and one new query token each."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, batch: int, context: int) -> None:
+        gen = torch.Generator(device="cpu").manual_seed(batch * 7919 + context)
+        per_seq = -(-context // BLOCK_SIZE)
+        blocks = torch.randperm(batch * per_seq, generator=gen)
+        shape = (batch * per_seq, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        self.k = torch.randn(shape, generator=gen).to(device, torch.bfloat16)
+        self.v = torch.randn(shape, generator=gen).to(device, torch.bfloat16)
+        self.table = blocks.view(batch, per_seq).to(device, torch.int32)
+        self.q = torch.randn(batch, config.num_heads, config.head_dim, generator=gen).to(device, torch.bfloat16)
+        self.lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        self.cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        self.splits = TritonBackend(torch.cuda.get_device_properties(device).multi_processor_count).num_splits(
+            batch, config.num_kv_heads, context)
+
+    def ways(self) -> dict[str, Callable[[], torch.Tensor]]:
+        return {"step 06 decode kernel": lambda: paged_decode(self.q, self.k, self.v, self.table, self.lens,
+                                                             num_splits=self.splits),
+                "step 06 prefill kernel, a program per head": lambda: paged_prefill(
+                    self.q, self.k, self.v, self.table, self.cu, self.lens, 1),
+                "step 15 grouped decode, a program per KV head": lambda: grouped_decode(
+                    self.q, self.k, self.v, self.table, self.lens)}
+
+
+def attention_part(config: ModelConfig, device: torch.device, batches: list[int],
+                   contexts: list[int]) -> list[dict[str, Any]]:
+    results = []
+    for batch in batches:
+        for context in contexts:
+            case = DecodeCase(config, device, batch, context)
+            ways = case.ways()
+            per_head, grouped = (ways[w]() for w in list(ways)[1:])
+            point = {"batch": batch, "context": context, "decode_splits": case.splits,
+                     "grouped_same_bits_as_prefill": torch.equal(per_head, grouped),
+                     "ms": {name: timed_ms(way, REPEATS) for name, way in ways.items()}}
+            print(f"batch {batch:>3} x {context:>5} tokens: " + ", ".join(
+                f"{name}: {ms * 1e3:.1f} us" for name, ms in point["ms"].items())
+                + f"; grouped = prefill bits: {point['grouped_same_bits_as_prefill']}")
+            results.append(point)
+            del case
+    return results
+
+
+def main() -> int:
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="qwen2.5-7b", choices=bundled_config_names(), help="the model's shapes")
+    p.add_argument("--parts", default="matmul,attention", help=f"comma-separated, of: {', '.join(PARTS)}")
+    p.add_argument("--rows", default="1,8,64", help="rows of the multiplies timed")
+    p.add_argument("--batches", default="1,8,64", help="decode batches of the attention part")
+    p.add_argument("--contexts", default="160,1024,4096", help="tokens per sequence in the attention part")
+    p.add_argument("--output", type=Path, default=None, help="evidence file (default runs/step15_batch_invariant/...)")
+    args = p.parse_args()
+    try:
+        check_device("cuda")
+        parts = parse_names("--parts", args.parts, PARTS)
+        rows, batches, contexts = (parse_sizes(f, v) for f, v in (("--rows", args.rows), ("--batches", args.batches),
+                                                                  ("--contexts", args.contexts)))
+    except CommandLineError as err:
+        return fail(err)
+    device = torch.device("cuda")
+    config = load_bundled_config(args.config)
+    doc: dict[str, Any] = evidence_header(device, f"shapes of {args.config}", torch.bfloat16,
+                                          step="step15_batch_invariant", parts=parts)
+    with torch.inference_mode():
+        if "matmul" in parts:
+            doc["matmul"] = matmul_part(config, device, rows)
+        if "attention" in parts:
+            doc["attention"] = attention_part(config, device, batches, contexts)
+    write_json(args.output or default_output("step15_batch_invariant", "kernels", "cuda", args.config), doc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
