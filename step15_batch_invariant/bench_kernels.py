@@ -2,7 +2,7 @@
 
 Two parts, each timed as a replayed CUDA graph (step 06's `timed_ms`), so a figure is the GPU's time per call:
 
-- `matmul`: each linear layer of a model (Qwen2.5-7B's by default) at 1, 8 and 64 rows, by cuBLAS and by
+- `matmul`: each linear layer of a model (Qwen2.5-7B's by default) at 1, 8, 64 and 256 rows, by cuBLAS and by
   `invariant_matmul` in every tile of a sweep (rows by features by K per step, and pipeline stages). For each
   tile: whether every output has the bits of the engine's own tile (`tile_for`), and whether row 0 has the
   bits it has multiplied alone. This sweep is where `tile_for`'s choices come from.
@@ -49,11 +49,16 @@ def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def tiles_tried(rows: int) -> list[MatmulTile]:
-    """Row bands of 16 up to 16 rows, of 32 or 64 above; 16 to 64 features; 128 or 256 of K; 3 or 4 stages; those
-    whose pipeline (each stage holds a bf16 tile of x and one of the weight) fits in SHARED_MEMORY."""
-    bands = (16,) if rows <= 16 else (32, 64)
-    return [MatmulTile(m, n, k, num_stages=s) for m in bands for n in (16, 32, 64) for k in (128, 256) for s in (3, 4)
-            if (m + n) * k * 2 * s <= SHARED_MEMORY]
+    """Decode: row bands of 16 up to 16 rows, of 32 or 64 up to 64; 16 to 64 features; 128 or 256 of K. Prefill
+    (more rows): 64 or 128 rows by 64 or 128 features by 64 or 128 of K, on 4 or 8 warps. 3 or 4 stages, where
+    the pipeline (each stage holds a bf16 tile of x and one of the weight) fits in SHARED_MEMORY."""
+    if rows > 64:
+        tiles = [MatmulTile(m, n, k, w, s) for m in (64, 128) for n in (64, 128) for k in (64, 128) for w in (4, 8)
+                 for s in (3, 4)]
+    else:
+        tiles = [MatmulTile(m, n, k, num_stages=s) for m in ((16,) if rows <= 16 else (32, 64)) for n in (16, 32, 64)
+                 for k in (128, 256) for s in (3, 4)]
+    return [t for t in tiles if (t.block_m + t.block_n) * t.block_k * 2 * t.num_stages <= SHARED_MEMORY]
 
 
 def tile_name(tile: MatmulTile) -> str:
@@ -69,7 +74,7 @@ def matmul_part(config: ModelConfig, device: torch.device, rows_list: list[int])
         alone = invariant_matmul(x_all[:1], weight)[0]  # row 0 multiplied by itself, with the engine's tile
         for rows in rows_list:
             x = x_all[:rows]
-            engine_tile = tile_for(rows)
+            engine_tile = tile_for(rows, n, k)
             reference = invariant_matmul(x, weight, tile=engine_tile)
             point: dict[str, Any] = {"linear": name, "n": n, "k": k, "rows": rows,
                                      "engine_tile": tile_name(engine_tile),
@@ -138,7 +143,7 @@ def main() -> int:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="qwen2.5-7b", choices=bundled_config_names(), help="the model's shapes")
     p.add_argument("--parts", default="matmul,attention", help=f"comma-separated, of: {', '.join(PARTS)}")
-    p.add_argument("--rows", default="1,8,64", help="rows of the multiplies timed")
+    p.add_argument("--rows", default="1,8,64,256", help="rows of the multiplies timed (256: a prefill chunk)")
     p.add_argument("--batches", default="1,8,64", help="decode batches of the attention part")
     p.add_argument("--contexts", default="160,1024,4096", help="tokens per sequence in the attention part")
     p.add_argument("--output", type=Path, default=None, help="evidence file (default runs/step15_batch_invariant/...)")

@@ -38,15 +38,18 @@ class MatmulTile:
     num_stages: int = 4
 
 
-def tile_for(rows: int, element_size: int = 2) -> MatmulTile:
-    """The tile for a call of `rows` rows, picked in a sweep of Qwen2.5-7B's decode shapes on the H200 (not kept
-    as evidence yet): 16 x 32 tiles with 256 of K per step at up to 16 rows, 64 x 32 up to 64, and 128 x 128 by
-    64 for a prefill. float32 halves the K step, so that the pipeline still fits in shared memory."""
+def tile_for(rows: int, n: int, k: int, element_size: int = 2) -> MatmulTile:
+    """The tile for `rows` rows times an [n, k] weight, from `bench_kernels.py`'s sweep of Qwen2.5-7B's decode
+    shapes on the H200 (results/gpu/batch-invariance-kernels.json): up to 16 rows, bands of 16 rows by 32
+    features stepping 256 of K, as fast as cuBLAS over a whole decode step; up to 64, 64 by 64 stepping 128,
+    except for a weight longer than it is wide (the MLP's down projection), whose long K runs best in bands
+    of 32 features stepping 256; above, 128 by 128 for a prefill. float32 halves the K step, so that the
+    pipeline still fits in shared memory."""
     shrink = element_size // 2
     if INTERPRETED or rows > 64:
         return MatmulTile(128, 128, 64 // shrink, num_warps=8, num_stages=3)
     if rows > 16:
-        return MatmulTile(64, 32, 256 // shrink)
+        return MatmulTile(64, 32, 256 // shrink) if k > n else MatmulTile(64, 64, 128 // shrink)
     return MatmulTile(16, 32, 256 // shrink)
 
 
@@ -75,13 +78,13 @@ def _invariant_matmul_kernel(X, W, BIAS, OUT, rows, n, k, stride_x, stride_w, st
 def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      tile: MatmulTile | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), x: [rows, K] with contiguous rows, weight: [N, K] contiguous. Row i of the result
-    depends on row i of x and on the weight only, bit for bit. `tile`: by default `tile_for(rows)`."""
+    depends on row i of x and on the weight only, bit for bit. `tile`: by default `tile_for`'s."""
     rows, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("invariant_matmul needs x's rows and the weight contiguous")
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
-    tile = tile or tile_for(rows, x.element_size())
+    tile = tile or tile_for(rows, n, k, x.element_size())
     grid = (triton.cdiv(rows, tile.block_m), triton.cdiv(n, tile.block_n))
     _invariant_matmul_kernel[grid](x, weight, bias if bias is not None else weight, out, rows, n, k,
                                    x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
