@@ -450,6 +450,32 @@ def render_invariance_cost(path: str, doc: Doc) -> list[str]:
     return markdown(["workload", "tok/s, off", "tok/s, on", "on / off"], rows)
 
 
+def render_invariance_matmul(path: str, doc: Doc) -> list[str]:
+    """step15_batch_invariant/bench_kernels.py's matmul part: per row count, a decode step's multiplies (every
+    layer's, then the output head) by cuBLAS and by ours in the engine's tiles, and how many tiles of the sweep
+    gave the bits of the engine's tile and of the row alone."""
+    rows = []
+    for count in dict.fromkeys(p["rows"] for p in doc["matmul"]):
+        points = [p for p in doc["matmul"] if p["rows"] == count]
+        weight = {p["linear"]: 1 if p["linear"] == "lm_head" else doc["layers"] for p in points}
+        cublas = sum(weight[p["linear"]] * p["cublas_ms"] for p in points)
+        ours = sum(weight[p["linear"]] * p["tiles"][p["engine_tile"]]["ms"] for p in points)
+        tiles = [t for p in points for t in p["tiles"].values()]
+        same = sum(t["same_as_engine_tile"] and t["row_same_as_alone"] for t in tiles)
+        rows.append([str(count), f"{same} of {len(tiles)}", f"{cublas:.2f}", f"{ours:.2f}", f"{ours / cublas:.2f}x"])
+    return markdown(["rows", "tiles with the same bits", "cuBLAS, ms", "ours, ms", "ours / cuBLAS"], rows,
+                    text_columns=2)
+
+
+def render_invariance_attention(path: str, doc: Doc) -> list[str]:
+    """bench_kernels.py's attention part: one layer's decode attention, microseconds per call, three ways."""
+    names = list(doc["attention"][0]["ms"])
+    rows = [[str(p["batch"]), str(p["context"]), *(f"{p['ms'][n] * 1e3:.1f}" for n in names),
+             "yes" if p["grouped_same_bits_as_prefill"] else "no"] for p in doc["attention"]]
+    return markdown(["batch", "context", *(f"{n}, us" for n in names), "grouped = prefill bits"], rows,
+                    text_columns=2)
+
+
 @dataclass(frozen=True)
 class Renderer:
     kind: str
@@ -486,4 +512,7 @@ RENDERERS = (
     Renderer("invariance-probe", lambda doc: "as_in" in first(doc, "results"), render_invariance_probe),
     Renderer("invariance", lambda doc: any(part in doc for part in INVARIANCE_PARTS), render_invariance),
     Renderer("invariance-cost", lambda doc: "on_vs_off" in doc.get("speed", {}), render_invariance_cost),
+    Renderer("invariance-matmul", lambda doc: "engine_tile" in first(doc, "matmul"), render_invariance_matmul),
+    Renderer("invariance-attention", lambda doc: "grouped_same_bits_as_prefill" in first(doc, "attention"),
+             render_invariance_attention),
 )

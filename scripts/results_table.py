@@ -32,6 +32,8 @@ The kind of a file is read from what it holds (scripts/renderers.py: `RENDERERS`
     invariance-probe      step15_batch_invariant/probe.py: */batch-invariance-probe.json
     invariance,           step15_batch_invariant/bench_invariance.py: */batch-invariance*.json; invariance-cost is
     invariance-cost       the speed parts (mode on against off)
+    invariance-matmul,    step15_batch_invariant/bench_kernels.py: gpu/batch-invariance-kernels.json; the multiply's
+    invariance-attention  tiles against cuBLAS, and decode attention three ways
 
 In a README, every table generated here starts with its source line (`<!-- results/....json: ... -->`);
 `--refresh` regenerates each such table in place, as the kind whose header shares the most columns with the

@@ -158,7 +158,7 @@ def main() -> int:
     device = torch.device("cuda")
     config = load_bundled_config(args.config)
     doc: dict[str, Any] = evidence_header(device, f"shapes of {args.config}", torch.bfloat16,
-                                          step="step15_batch_invariant", parts=parts)
+                                          step="step15_batch_invariant", parts=parts, layers=config.num_layers)
     with torch.inference_mode():
         if "matmul" in parts:
             doc["matmul"] = matmul_part(config, device, rows)
