@@ -172,10 +172,10 @@ batch_invariant() {
 }
 
 batch_invariant_cost() {
-  echo "== step 15's cost, mode on against off: decode at batch 1/8/64 (7B), the 256-sequence workload (0.6B);"
+  echo "== step 15's cost, mode on against off: decode at batch 1/8/64 and one 4,000-token prompt (7B), the 256-sequence workload (0.6B);"
   echo "   its kernels against cuBLAS and step 06's decode kernel, with the multiply's tile sweep"
   python step15_batch_invariant/bench_kernels.py --output "$G/batch-invariance-kernels.json"
-  python step15_batch_invariant/bench_invariance.py "${SEVEN_B[@]}" --parts decode --batches 1,8,64 \
+  python step15_batch_invariant/bench_invariance.py "${SEVEN_B[@]}" --parts decode --batches 1,8,64 --long-prompt 4000 \
     --output "$G/batch-invariance-cost.json"
   python step15_batch_invariant/bench_invariance.py --device cuda --model random:qwen3-0.6b --parts nanovllm \
     --output "$G/batch-invariance-nanovllm.json"

@@ -6,7 +6,9 @@ Every part runs step 15's engine twice, with `--batch-invariant` off and on, ove
 - `server`: the same through step 08's server and the openai SDK: N streaming chat completions at once,
   then one at a time; how many texts are the same;
 - `speculation`: greedy requests decoded with n-gram speculation (step 11) and without; how many are equal;
-- `decode`: output tokens per second decoding `--batches` requests of 32 prompt tokens, 128 new tokens each;
+- `decode`: output tokens per second decoding `--batches` requests of 32 prompt tokens, 128 new tokens each,
+  and with `--long-prompt N` one request of N prompt tokens (its prefill counted in), the long context where
+  decode attention runs unsplit;
 - `nanovllm`: the 256-sequence workload (lengths uniform in [100, 1024]).
 Speeds are reported with the mode on as a ratio of off, measured in the same process.
 
@@ -108,9 +110,12 @@ async def served_together_and_alone(base_url: str, model: str, texts: list[str],
     return {"requests": len(texts), "same": sum(a == b for a, b in zip(together, alone))}
 
 
-def speed(loaded: LoadedModel, invariant: bool, batches: list[int], nanovllm: bool) -> dict[str, float]:
-    """Output tokens per second for each decode batch, and the 256-sequence workload where asked."""
-    workloads = [fixed_workload(b, 32, 128) for b in batches] + ([nanovllm_workload()] if nanovllm else [])
+def speed(loaded: LoadedModel, invariant: bool, batches: list[int], long_prompt: int,
+          nanovllm: bool) -> dict[str, float]:
+    """Output tokens per second for each decode batch, one long prompt and the 256-sequence workload where
+    asked."""
+    workloads = ([fixed_workload(b, 32, 128) for b in batches] + ([fixed_workload(1, long_prompt, 128)] if long_prompt
+                 else []) + ([nanovllm_workload()] if nanovllm else []))
     engine = make_engine(loaded, invariant, max(len(w.prompts) for w in workloads))
     result = {}
     for workload in workloads:
@@ -129,6 +134,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=32, help="requests sent together, then one at a time")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens each of those requests generates")
     p.add_argument("--batches", default="1,8,64", help="decode batches timed by the `decode` part")
+    p.add_argument("--long-prompt", type=int, default=0,
+                   help="the `decode` part also times one request of this many prompt tokens (default: none)")
     p.add_argument("--draft-model", default=None,
                    help="the `speculation` part's proposer: this model as a draft (default: n-gram proposals)")
     p.add_argument("--output", type=Path, default=None, help="evidence file (default runs/step15_batch_invariant/...)")
@@ -137,6 +144,8 @@ def main() -> int:
         check_args(args)
         parts = parse_names("--parts", args.parts, PARTS)
         batches = parse_sizes("--batches", args.batches)
+        if args.long_prompt < 0:
+            raise CommandLineError(f"--long-prompt {args.long_prompt}: give a number of prompt tokens, or 0 for none")
     except CommandLineError as err:
         return fail(err)
     config = BatchInvariantEngineConfig(model=args.model, device=args.device, dtype=args.dtype)
@@ -166,8 +175,9 @@ def main() -> int:
                 doc.setdefault("server", {})[mode] = asyncio.run(
                     served_together_and_alone(base_url, args.model, texts, args.max_tokens))
         if "decode" in parts or "nanovllm" in parts:
-            doc.setdefault("speed", {})[mode] = speed(loaded, invariant, batches if "decode" in parts else [],
-                                                      "nanovllm" in parts)
+            decode = "decode" in parts
+            doc.setdefault("speed", {})[mode] = speed(loaded, invariant, batches if decode else [],
+                                                      args.long_prompt if decode else 0, "nanovllm" in parts)
         write_json(output, doc)
     if "speed" in doc:
         doc["speed"]["on_vs_off"] = {name: doc["speed"]["on"][name] / off for name, off in doc["speed"]["off"].items()}
