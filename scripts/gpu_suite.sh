@@ -165,10 +165,10 @@ speculative() {
 
 batch_invariant() {
   echo "== step 15: which ops change a row with its batch; 32 requests together and one at a time (engine, then server);"
-  echo "   speculation (the target as its own draft) on and off"
+  echo "   speculation (the target as its own draft) on and off; a budget of 256 tokens, so that prompts sent together are cut into chunks"
   python step15_batch_invariant/probe.py --device cuda --output "$G/batch-invariance-probe.json"
   python step15_batch_invariant/bench_invariance.py "${SEVEN_B[@]}" --parts together,speculation,server \
-    --draft-model random:qwen2.5-7b --requests 32 --max-tokens 64 --output "$G/batch-invariance.json"
+    --draft-model random:qwen2.5-7b --requests 32 --max-tokens 64 --max-num-batched-tokens 256 --output "$G/batch-invariance.json"
 }
 
 batch_invariant_cost() {

@@ -470,9 +470,10 @@ def render_invariance_matmul(path: str, doc: Doc) -> list[str]:
 def render_invariance_attention(path: str, doc: Doc) -> list[str]:
     """bench_kernels.py's attention part: one layer's decode attention, microseconds per call, three ways."""
     names = list(doc["attention"][0]["ms"])
-    rows = [[str(p["batch"]), str(p["context"]), *(f"{p['ms'][n] * 1e3:.1f}" for n in names),
-             "yes" if p["grouped_same_bits_as_prefill"] else "no"] for p in doc["attention"]]
-    return markdown(["batch", "context", *(f"{n}, us" for n in names), "grouped = prefill bits"], rows,
+    rows = [[str(p["batch"]), str(p["context"]), str(p["step15_workers"]),
+             *(f"{p['ms'][n] * 1e3:.1f}" for n in names), "yes" if p["same_bits_as_prefill_rows"] else "no"]
+            for p in doc["attention"]]
+    return markdown(["batch", "context", "workers", *(f"{n}, us" for n in names), "step 15 = prefill bits"], rows,
                     text_columns=2)
 
 
@@ -513,6 +514,6 @@ RENDERERS = (
     Renderer("invariance", lambda doc: any(part in doc for part in INVARIANCE_PARTS), render_invariance),
     Renderer("invariance-cost", lambda doc: "on_vs_off" in doc.get("speed", {}), render_invariance_cost),
     Renderer("invariance-matmul", lambda doc: "engine_tile" in first(doc, "matmul"), render_invariance_matmul),
-    Renderer("invariance-attention", lambda doc: "grouped_same_bits_as_prefill" in first(doc, "attention"),
+    Renderer("invariance-attention", lambda doc: "same_bits_as_prefill_rows" in first(doc, "attention"),
              render_invariance_attention),
 )

@@ -9,8 +9,9 @@ running softmax in order. A piece past the row's own position is all masked, and
 (it scales by exp(0) = 1 and adds 0), so a longer neighbour in the batch changes nothing.
 
 - `InvariantTorchBackend` (any device; a CPU's default): `split_attention` in plain PyTorch.
-- `InvariantTritonBackend` (GPU): every row through step 06's prefill tile body, decode rows included (a
-  group's heads as one program's rows): 64-key tiles folded in order, eager or over step 12's tile list.
+- `InvariantTritonBackend` (GPU): pieces of 256 keys (four 64-key tiles folded in order), each a running softmax
+  of its own, then merged in order: step 06's prefill kernels with a body that sums in pieces,
+  and a decode kernel whose programs share a long sequence's pieces (`decode_kernel.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from step06_paged_attention.backends import AttentionMetadata, TorchBackend
-from step12_cuda_graph.mixed_graphs import TileListTritonBackend
+from step12_cuda_graph.mixed_graphs import TILE_ROWS, TileListTritonBackend
 
 KEY_SPLIT = 32  # keys per piece of the running softmax: fixed, never derived from the batch
 
@@ -84,19 +85,42 @@ class InvariantTorchBackend(TorchBackend):
 
 
 class InvariantTritonBackend(TileListTritonBackend):
-    """Step 12's Triton backend whose decode runs the prefill kernel's arithmetic (`decode_kernel.py`): the same
-    tile body, the same 64-key tiles in the same order, as the token gets in any prefill chunk. Step 06's decode
-    kernel with one split folds the same tiles in the same order too, yet on the H200 it gives other bits
-    (`probe.py`; its tile has 16 rows, not the prefill's 64: another shape, compiled to other arithmetic), so it
-    is not used. No splits: a long context at a small batch keeps few multiprocessors busy, the cost
-    `bench_invariance.py` measures."""
+    """Step 12's Triton backend, every row's keys summed in pieces of a fixed size (`decode_kernel.py`): prefill
+    chunks and verification rows through step 06's prefill kernels with `attend_in_pieces`, decode rows through
+    `pieces_decode`, with the same tiles, pieces and merges. Step 06's decode kernel is not used: with one split
+    it walks the same tiles in the same order, yet on the H200 it gives other bits (`probe.py`; its tile has 16
+    rows, not the prefill's 64: another shape, compiled to other arithmetic)."""
 
     def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
-        return 1
+        """Workers per (request, KV head): enough to fill one wave of about four programs per multiprocessor,
+        as step 06 splits, but never more than the longest sequence has pieces."""
+        from step15_batch_invariant.decode_kernel import MAX_WORKERS, PIECE  # Triton is optional
+
+        one_wave = 4 * self.num_sms // (batch * kv_heads)
+        return max(1, min(one_wave, -(-max_seq_len // PIECE.value), MAX_WORKERS))
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata):
-        from step15_batch_invariant.decode_kernel import QUERY_ROWS, grouped_decode  # Triton is optional
+        from step15_batch_invariant.decode_kernel import QUERY_ROWS, attend_in_pieces, pieces_decode
 
-        if q.shape[1] // k_cache.shape[2] > QUERY_ROWS:  # a group too big for one program: a program per head
-            return self.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens, 1)
-        return grouped_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens)
+        batch, heads = q.shape[:2]
+        kv_heads = k_cache.shape[2]
+        if heads // kv_heads > QUERY_ROWS:  # a group too big for one program: a prefill program per head
+            return self.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens, 1,
+                                      attend=attend_in_pieces)
+        if self.arrived is None or self.arrived.numel() < batch * kv_heads:
+            self.arrived = torch.zeros(max(batch, self.max_batch) * kv_heads, dtype=torch.int32, device=q.device)
+        return pieces_decode(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.max_seq_len,
+                             self.num_splits(batch, kv_heads, meta.max_seq_len), self.arrived)
+
+    def prefill(self, q, k_cache, v_cache, meta: AttentionMetadata):
+        from step15_batch_invariant.decode_kernel import attend_in_pieces
+
+        return self.paged_prefill(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens,
+                                  meta.max_q_len, attend=attend_in_pieces)
+
+    def prefill_tiles(self, q, k_cache, v_cache, meta: AttentionMetadata, tile_request, tile_index):
+        from step12_cuda_graph.prefill_tiles import paged_prefill_tiles
+        from step15_batch_invariant.decode_kernel import attend_in_pieces
+
+        return paged_prefill_tiles(q, k_cache, v_cache, meta.block_table, meta.cu_q_lens, meta.seq_lens,
+                                   tile_request, tile_index, TILE_ROWS, attend=attend_in_pieces)

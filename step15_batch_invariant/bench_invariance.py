@@ -79,15 +79,16 @@ def first_differences(runs: list[list[int]], others: list[list[int]]) -> list[in
 
 
 def speculation(loaded: LoadedModel, invariant: bool, prompts: list[list[int]], max_tokens: int,
-                draft_model: str | None) -> dict[str, Any]:
+                draft_model: str | None, budget: int | None) -> dict[str, Any]:
     """Greedy tokens with k = 0 and 4 proposals, n-gram or from `draft_model`. The target itself as its draft
     proposes the tokens it would pick: every proposal should be kept, so every token is verified."""
     runs, stats = [], {}
     method = {"speculative_method": "draft", "draft_model": draft_model} if draft_model else {}
     for k in (0, 4):
         # Costs of 0: proposals always pay, so that every decode step with a proposal verifies it.
-        engine = make_engine(loaded, invariant, len(prompts), speculative_tokens=k, speculative_token_cost=0.0,
-                             speculative_step_cost=0.0, speculative_decode_token_cost=0.0, **(method if k else {}))
+        engine = make_engine(loaded, invariant, len(prompts), max_num_batched_tokens=budget, speculative_tokens=k,
+                             speculative_token_cost=0.0, speculative_step_cost=0.0, speculative_decode_token_cost=0.0,
+                             **(method if k else {}))
         runs.append([c.token_ids for c in engine.generate(prompts, greedy(max_tokens))])
         stats = engine.stats()
         del engine
@@ -134,6 +135,9 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=32, help="requests sent together, then one at a time")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens each of those requests generates")
     p.add_argument("--batches", default="1,8,64", help="decode batches timed by the `decode` part")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the token budget of the together, server and speculation parts: a small one cuts prompts "
+                        "sent together into chunks at other places than alone (default: the engine's)")
     p.add_argument("--long-prompt", type=int, default=0,
                    help="the `decode` part also times one request of this many prompt tokens (default: none)")
     p.add_argument("--draft-model", default=None,
@@ -144,8 +148,6 @@ def main() -> int:
         check_args(args)
         parts = parse_names("--parts", args.parts, PARTS)
         batches = parse_sizes("--batches", args.batches)
-        if args.long_prompt < 0:
-            raise CommandLineError(f"--long-prompt {args.long_prompt}: give a number of prompt tokens, or 0 for none")
     except CommandLineError as err:
         return fail(err)
     config = BatchInvariantEngineConfig(model=args.model, device=args.device, dtype=args.dtype)
@@ -159,15 +161,17 @@ def main() -> int:
     for invariant in (False, True):
         mode = "on" if invariant else "off"
         if "together" in parts:
-            engine = make_engine(loaded, invariant, args.requests)
+            engine = make_engine(loaded, invariant, args.requests, max_num_batched_tokens=args.max_num_batched_tokens)
             doc.setdefault("together", {})[mode] = together_and_alone(engine, prompts, args.max_tokens)
             del engine
         if "speculation" in parts:
             doc.setdefault("speculation", {})[mode] = speculation(loaded, invariant, prompts, args.max_tokens,
-                                                                  args.draft_model)
+                                                                  args.draft_model, args.max_num_batched_tokens)
         if "server" in parts:
             server_argv = ["--step", STEP, "--model", args.model, "--device", str(device.type), "--dtype", args.dtype,
-                           "--max-num-seqs", str(args.requests), *(["--batch-invariant"] if invariant else [])]
+                           "--max-num-seqs", str(args.requests), *(["--batch-invariant"] if invariant else []),
+                           *(["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+                             if args.max_num_batched_tokens else [])]
             texts = [f"{PARITY_PROMPTS[i % len(PARITY_PROMPTS)]} ({i // len(PARITY_PROMPTS)})"
                      for i in range(args.requests)]
             release_memory(device)  # the server is another process: it sizes its pool from what this one frees

@@ -7,9 +7,9 @@ Two parts, each timed as a replayed CUDA graph (step 06's `timed_ms`), so a figu
   tile: whether every output has the bits of the engine's own tile (`tile_for`), and whether row 0 has the
   bits it has multiplied alone. This sweep is where `tile_for`'s choices come from.
 - `attention`: decode attention at batches of 1 to 64 and contexts of 160 to 4,096 tokens, three ways: step
-  06's decode kernel (splits chosen by the batch), step 06's prefill kernel with one row per request (a
-  program per query head), and step 15's `grouped_decode` (a program per KV head); whether the last two give
-  the same bits.
+  06's decode kernel (splits chosen by the batch), and step 15's `pieces_decode` with one worker per (request,
+  KV head) and with as many as the engine picks for the batch; whether both give each token the bits it gets
+  as a one-row prefill chunk.
 
     python step15_batch_invariant/bench_kernels.py --output results/gpu/batch-invariance-kernels.json
 """
@@ -31,7 +31,8 @@ from common.config import ModelConfig, bundled_config_names, load_bundled_config
 from step06_paged_attention.backends import TritonBackend
 from step06_paged_attention.kernel_bench import timed_ms
 from step06_paged_attention.triton_kernels import paged_decode, paged_prefill
-from step15_batch_invariant.decode_kernel import grouped_decode
+from step15_batch_invariant.attention import InvariantTritonBackend
+from step15_batch_invariant.decode_kernel import attend_in_pieces, pieces_decode
 from step15_batch_invariant.matmul_kernel import MatmulTile, invariant_matmul, tile_for
 
 PARTS = ("matmul", "attention")
@@ -108,16 +109,22 @@ class DecodeCase:
         self.q = torch.randn(batch, config.num_heads, config.head_dim, generator=gen).to(device, torch.bfloat16)
         self.lens = torch.full((batch,), context, dtype=torch.int32, device=device)
         self.cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        self.splits = TritonBackend(torch.cuda.get_device_properties(device).multi_processor_count).num_splits(
-            batch, config.num_kv_heads, context)
+        self.context = context
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.splits = TritonBackend(sms).num_splits(batch, config.num_kv_heads, context)
+        self.workers = InvariantTritonBackend(sms).num_splits(batch, config.num_kv_heads, context)
+
+    def as_prefill_rows(self) -> torch.Tensor:
+        """Each new token as a one-row prefill chunk, summed in step 15's pieces: the bits a decode must give."""
+        return paged_prefill(self.q, self.k, self.v, self.table, self.cu, self.lens, 1, attend=attend_in_pieces)
 
     def ways(self) -> dict[str, Callable[[], torch.Tensor]]:
+        def step15(workers: int) -> Callable[[], torch.Tensor]:
+            return lambda: pieces_decode(self.q, self.k, self.v, self.table, self.lens, self.context, workers)
+
         return {"step 06 decode kernel": lambda: paged_decode(self.q, self.k, self.v, self.table, self.lens,
                                                              num_splits=self.splits),
-                "step 06 prefill kernel, a program per head": lambda: paged_prefill(
-                    self.q, self.k, self.v, self.table, self.cu, self.lens, 1),
-                "step 15 grouped decode, a program per KV head": lambda: grouped_decode(
-                    self.q, self.k, self.v, self.table, self.lens)}
+                "step 15, one worker": step15(1), "step 15, workers by the batch": step15(self.workers)}
 
 
 def attention_part(config: ModelConfig, device: torch.device, batches: list[int],
@@ -126,14 +133,13 @@ def attention_part(config: ModelConfig, device: torch.device, batches: list[int]
     for batch in batches:
         for context in contexts:
             case = DecodeCase(config, device, batch, context)
-            ways = case.ways()
-            per_head, grouped = (ways[w]() for w in list(ways)[1:])
-            point = {"batch": batch, "context": context, "decode_splits": case.splits,
-                     "grouped_same_bits_as_prefill": torch.equal(per_head, grouped),
+            ways, prefill_rows = case.ways(), case.as_prefill_rows()
+            point = {"batch": batch, "context": context, "decode_splits": case.splits, "step15_workers": case.workers,
+                     "same_bits_as_prefill_rows": all(torch.equal(ways[w](), prefill_rows) for w in list(ways)[1:]),
                      "ms": {name: timed_ms(way, REPEATS) for name, way in ways.items()}}
             print(f"batch {batch:>3} x {context:>5} tokens: " + ", ".join(
                 f"{name}: {ms * 1e3:.1f} us" for name, ms in point["ms"].items())
-                + f"; grouped = prefill bits: {point['grouped_same_bits_as_prefill']}")
+                + f"; step 15 = prefill bits: {point['same_bits_as_prefill_rows']}")
             results.append(point)
             del case
     return results

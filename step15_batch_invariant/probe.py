@@ -6,8 +6,10 @@ is kept. The ops, each first as steps 06 to 14 run it and then as step 15 does:
 
 - a linear layer (the model's gate projection), in calls of 1 to 256 rows;
 - RMSNorm, the same;
-- decode attention of a 100-token sequence beside longer ones (up to 2,000 tokens);
-- the same token's attention as the last row of a prefill chunk of 1 to 64 tokens (a budget's chunk);
+- decode attention of a 600-token sequence (three of step 15's 256-key pieces on a GPU) beside longer ones (up
+  to 2,000 tokens);
+- the same token's attention as the last row of a prefill chunk of 1 to 64 tokens (a budget's chunk), and
+  inside a chunk that goes on for 1 to 40 tokens after it;
 - on a GPU, one call of our multiply through each of the tile shapes the engine picks by row count.
 
 Writes JSON evidence (`--output`) and prints a table: "same" where every bit matched.
@@ -34,7 +36,8 @@ from step15_batch_invariant.invariant_ops import InvariantRMSNorm, invariant_lin
 
 BATCHES = (1, 2, 3, 8, 16, 64, 256)
 CHUNKS = (1, 2, 8, 16, 64)  # prefill chunk sizes: how many of the sequence's last tokens one forward computes
-ROW_LEN = 100  # the probed sequence's length
+LATER = (0, 1, 8, 40)  # tokens a 16-token chunk holds after the probed one (0: the token decoded alone)
+ROW_LEN = 600  # the probed sequence's length
 BLOCK_SIZE = 16
 
 
@@ -56,13 +59,14 @@ class AttentionCase:
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, max_batch: int) -> None:
         gen = torch.Generator(device="cpu").manual_seed(0)
         self.lens = [ROW_LEN] + torch.randint(ROW_LEN, 2000, (max_batch - 1,), generator=gen).tolist()
-        self.blocks = [-(-n // BLOCK_SIZE) for n in self.lens]
+        # The probed sequence's cache also holds the LATER tokens after it, for chunks that go on past it.
+        self.blocks = [-(-n // BLOCK_SIZE) for n in [ROW_LEN + max(LATER), *self.lens[1:]]]
         shape = (sum(self.blocks), BLOCK_SIZE, config.num_kv_heads, config.head_dim)
         self.k = torch.randn(shape, generator=gen).to(device, dtype)
         self.v = torch.randn(shape, generator=gen).to(device, dtype)
-        self.q = torch.randn(ROW_LEN, config.num_heads, config.head_dim, generator=gen).to(device, dtype)
+        self.q = torch.randn(ROW_LEN + max(LATER), config.num_heads, config.head_dim, generator=gen).to(device, dtype)
         # Decode queries: the probed sequence's newest token first, then each neighbour's.
-        self.decode_q = torch.cat([self.q[-1:], torch.randn(max_batch - 1, *self.q.shape[1:], generator=gen).to(
+        self.decode_q = torch.cat([self.q[ROW_LEN - 1:ROW_LEN], torch.randn(max_batch - 1, *self.q.shape[1:], generator=gen).to(
             device, dtype)])
         self.device = device
 
@@ -85,10 +89,11 @@ class AttentionCase:
         meta = self.meta([1] * batch, self.lens[:batch], is_prefill=False)
         return backend.decode(self.decode_q[:batch], self.k, self.v, meta)[0]
 
-    def prefill_row(self, backend: AttentionBackend, chunk: int) -> torch.Tensor:
-        """The same token as the last row of a prefill chunk of the sequence's last `chunk` tokens."""
-        meta = self.meta([chunk], [ROW_LEN], is_prefill=True)
-        return backend.prefill(self.q[ROW_LEN - chunk:ROW_LEN], self.k, self.v, meta)[-1]
+    def prefill_row(self, backend: AttentionBackend, chunk: int, later: int = 0) -> torch.Tensor:
+        """The same token as row `chunk - 1` of a prefill chunk: the sequence's last `chunk` tokens, then `later`
+        tokens after it."""
+        meta = self.meta([chunk + later], [ROW_LEN + later], is_prefill=True)
+        return backend.prefill(self.q[ROW_LEN - chunk:ROW_LEN + later], self.k, self.v, meta)[chunk - 1]
 
 
 def probe(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> list[dict[str, object]]:
@@ -119,6 +124,11 @@ def probe(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> list
          lambda c: case.decode_row(before, 1) if c == 1 else case.prefill_row(before, c)),
         ("the token in a prefill chunk of N tokens", "step 15", CHUNKS,
          lambda c: case.decode_row(after, 1) if c == 1 else case.prefill_row(after, c)),
+        # Inside a chunk: the row's tile goes on past it, over keys it must not see.
+        ("the token with N more after it in a chunk", "steps 06-14", LATER,
+         lambda n: case.decode_row(before, 1) if n == 0 else case.prefill_row(before, 16, n)),
+        ("the token with N more after it in a chunk", "step 15", LATER,
+         lambda n: case.decode_row(after, 1) if n == 0 else case.prefill_row(after, 16, n)),
     ]
     with torch.inference_mode():
         results = [{"op": name, "as_in": where, "sizes": drift(row, sizes)} for name, where, sizes, row in ops]
