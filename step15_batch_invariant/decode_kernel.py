@@ -88,7 +88,8 @@ def _pieces_decode_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L,
     worker = tl.program_id(2)
     context = tl.load(SEQ_LENS + b)  # the new token included: it sits at position context - 1
     pieces = (context + PIECE - 1) // PIECE
-    if worker < pieces:  # a worker past the sequence's pieces has nothing to do
+    active = tl.maximum(tl.minimum(pieces, WORKERS), 1)  # workers with pieces (one, for an empty row: zeros)
+    if worker < active:  # a worker past the sequence's pieces has nothing to do
         g = tl.arange(0, BLOCK_M)
         heads = kv_head * GROUP + g
         in_group = g < GROUP  # rows past the group's heads are zeros, as rows past a chunk's end are
@@ -122,7 +123,7 @@ def _pieces_decode_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L,
         else:  # count in; the worker that counts in last merges every piece, in order
             tl.debug_barrier()  # every thread's stores are made before the count says they are
             counter = ARRIVED + b * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1) == tl.minimum(pieces, WORKERS) - 1:  # acquire and release
+            if tl.atomic_add(counter, 1) == active - 1:  # acquire and release
                 for piece in range(0, pieces):
                     m = tl.load(M + stats + piece, mask=in_group, other=float("-inf"), cache_modifier=".cg")
                     l = tl.load(L + stats + piece, mask=in_group, other=0.0, cache_modifier=".cg")
