@@ -93,9 +93,13 @@ class InvariantTritonBackend(TileListTritonBackend):
 
     def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
         """Workers per (request, KV head): enough to fill one wave of about four programs per multiprocessor,
-        as step 06 splits, but never more than the longest sequence has pieces."""
+        as step 06 splits, but never more than the longest sequence has pieces, and one once the rows alone
+        give every multiprocessor a program (on the H200, at batch 64, two workers were slower than one:
+        results/gpu/batch-invariance-kernels.json)."""
         from step15_batch_invariant.decode_kernel import MAX_WORKERS, PIECE  # Triton is optional
 
+        if batch * kv_heads >= self.num_sms:
+            return 1
         one_wave = 4 * self.num_sms // (batch * kv_heads)
         return max(1, min(one_wave, -(-max_seq_len // PIECE.value), MAX_WORKERS))
 
