@@ -49,7 +49,7 @@ def tile_for(rows: int, n: int, k: int, element_size: int = 2) -> MatmulTile:
     if INTERPRETED or rows > 64:
         return MatmulTile(128, 128, 64 // shrink, num_warps=8, num_stages=3)
     if rows > 16:
-        return MatmulTile(64, 32, 256 // shrink) if k > n else MatmulTile(64, 64, 128 // shrink)
+        return MatmulTile(64, 32, 256 // shrink)
     return MatmulTile(16, 32, 256 // shrink)
 
 
