@@ -9,9 +9,9 @@ running softmax in order. A piece past the row's own position is all masked, and
 (it scales by exp(0) = 1 and adds 0), so a longer neighbour in the batch changes nothing.
 
 - `InvariantTorchBackend` (any device; a CPU's default): `split_attention` in plain PyTorch.
-- `InvariantTritonBackend` (GPU): pieces of 256 keys (four 64-key tiles folded in order), each a running softmax
-  of its own, then merged in order: step 06's prefill kernels with a body that sums in pieces,
-  and a decode kernel whose programs share a long sequence's pieces (`decode_kernel.py`).
+- `InvariantTritonBackend` (GPU): pieces of 1,024 keys (sixteen 64-key tiles folded in order), each a running
+  softmax of its own, then merged in order: step 06's prefill kernels with a body that sums in pieces, and a
+  decode kernel whose programs share a long sequence's pieces (`decode_kernel.py`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,10 @@ import triton.language as tl
 
 from step06_paged_attention.triton_kernels import _attend_key_tiles, dot_precision
 
-PIECE = tl.constexpr(1024)  # keys per piece: 16 of the kernels' 64-key tiles; fixed, never derived from the batch
+# Keys per piece: 16 of the kernels' 64-key tiles; fixed, never derived from the batch. Smaller pieces spread a
+# long sequence over more programs at a small batch, but each piece starts its tile loop afresh and ends in a
+# merge, which every prefill and decode row pays.
+PIECE = tl.constexpr(1024)
 QUERY_ROWS = 64  # rows per program, as in step 06's prefill kernel: the tile shape its dots are compiled for
 KEY_TILE = 64  # keys per tile, the same
 MAX_WORKERS = 32  # programs sharing one sequence's pieces, at most

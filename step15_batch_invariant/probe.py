@@ -6,8 +6,7 @@ is kept. The ops, each first as steps 06 to 14 run it and then as step 15 does:
 
 - a linear layer (the model's gate projection), in calls of 1 to 256 rows;
 - RMSNorm, the same;
-- decode attention of a 600-token sequence (three of step 15's 256-key pieces on a GPU) beside longer ones (up
-  to 2,000 tokens);
+- decode attention of a 600-token sequence beside longer ones (up to 2,000 tokens);
 - the same token's attention as the last row of a prefill chunk of 1 to 64 tokens (a budget's chunk), and
   inside a chunk that goes on for 1 to 40 tokens after it;
 - on a GPU, one call of our multiply through each of the tile shapes the engine picks by row count.

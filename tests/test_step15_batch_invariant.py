@@ -109,14 +109,14 @@ def test_the_invariant_matmul_kernel_gives_each_row_its_bits_alone() -> None:
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_the_pieces_decode_gives_each_token_its_prefill_bits(workers: int) -> None:
-    """Step 15's GPU decode (run by Triton's interpreter): sequences of 5, 300 and 700 tokens (one to three
-    256-key pieces), their pieces shared by 1 to 3 workers, against step 06's prefill kernel summing in the
+    """Step 15's GPU decode (run by Triton's interpreter): sequences of 5, 1,100 and 2,100 tokens (one to three
+    1,024-key pieces), their pieces shared by 1 to 3 workers, against step 06's prefill kernel summing in the
     same pieces, each new token a one-row chunk and the last token of a 70-token chunk."""
     from step06_paged_attention.triton_kernels import paged_prefill
     from step15_batch_invariant.decode_kernel import attend_in_pieces, pieces_decode
 
     gen = torch.Generator().manual_seed(0)
-    lens, block_size = [5, 300, 700], 16
+    lens, block_size = [5, 1100, 2100], 16
     blocks = [-(-n // block_size) for n in lens]
     k, v = (torch.randn(sum(blocks), block_size, 2, 16, generator=gen) for _ in range(2))
     starts = [sum(blocks[:i]) for i in range(len(lens))]
@@ -128,12 +128,12 @@ def test_the_pieces_decode_gives_each_token_its_prefill_bits(workers: int) -> No
     one_row_each = paged_prefill(q, k, v, table, torch.arange(len(lens) + 1, dtype=torch.int32), seq_lens, 1,
                                  attend=attend_in_pieces)
     assert torch.equal(decoded, one_row_each)
-    chunk = torch.cat([torch.randn(69, 6, 16, generator=gen), q[2:]])  # the last 70 tokens of the 700
+    chunk = torch.cat([torch.randn(69, 6, 16, generator=gen), q[2:]])  # the last 70 tokens of the 2,100
     in_chunk = paged_prefill(chunk, k, v, table[2:], torch.tensor([0, 70], dtype=torch.int32), seq_lens[2:], 70,
                              attend=attend_in_pieces)
     assert torch.equal(in_chunk[-1], decoded[2])
-    keys, values = (x[starts[1]:starts[1] + blocks[1]].flatten(0, 1)[None] for x in (k, v))  # 304 slots
-    assert torch.allclose(decoded[1:2], attention.split_attention(q[1:2], keys, values, torch.tensor([299]), 16),
+    keys, values = (x[starts[1]:starts[1] + blocks[1]].flatten(0, 1)[None] for x in (k, v))  # 1,104 slots
+    assert torch.allclose(decoded[1:2], attention.split_attention(q[1:2], keys, values, torch.tensor([1099]), 16),
                           atol=1e-5)
 
 
