@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,11 @@ def breakdown_gaps(d: dict) -> tuple[int, str, str]:
     return 0, "gaps between kernels", f"{gaps:.2f} ms ({gaps / above:.0%})"
 
 
+def decode_step_ms(doc: dict, rows: int, ms_of: Callable[[dict], float]) -> float:
+    """bench_kernels.py: a decode step's multiplies of `rows` rows, every layer's and then the output head's."""
+    return sum((1 if p["linear"] == "lm_head" else doc["layers"]) * ms_of(p) for p in doc["matmul"] if p["rows"] == rows)
+
+
 FIGURES = [
     ("runs", f"{GPU}/nanovllm-step14.json",
      lambda d: (0, "output tok/s", f"{d['runs'][0]['output_tok_per_s']:.1f}")),
@@ -142,6 +148,11 @@ FIGURES = [
      lambda d: (0, "mode on", f"{d['together']['on']['same']} of {d['together']['on']['requests']}")),
     ("invariance-cost", "results/cpu/batch-invariance.json",
      lambda d: (0, "on / off", f"{next(iter(d['speed']['on_vs_off'].values())):.2f}x")),
+    ("invariance-matmul", f"{GPU}/batch-invariance-kernels.json",  # row 0: one row, cuBLAS over a decode step
+     lambda d: (0, "cuBLAS, ms", f"{decode_step_ms(d, 1, lambda p: p['cublas_ms']):.2f}")),
+    ("invariance-attention", f"{GPU}/batch-invariance-kernels.json",  # row 2: batch 1, 4,096 tokens
+     lambda d: (2, "step 15, workers by the batch, us",
+                f"{d['attention'][2]['ms']['step 15, workers by the batch'] * 1e3:.1f}")),
     ("oracle-sweep", f"{GPU}/speculative-sweep.json",  # row 1: batch 1, k = 4
      lambda d: (1, "a = 0.9", next(f"{r['time_per_token_vs_off']:.2f}x" for r in d["runs"]
                                    if (r["batch"], r["k"], r["acceptance"]) == (1, 4, 0.9)))),
