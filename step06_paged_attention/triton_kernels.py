@@ -232,9 +232,9 @@ write_kv, paged_decode = KERNELS.write_kv, KERNELS.paged_decode  # as functions,
 
 
 @triton.jit
-def _attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, start, end, last, kv_head, d, stride_slot,
-                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
-                      MASKED: tl.constexpr):
+def attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, start, end, last, kv_head, d, stride_slot,
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+                     MASKED: tl.constexpr):
     """Fold the key tiles from `start` to `end` into the running softmax of query rows at positions `pos`.
     Keys at or past `last` are never read; MASKED applies the causal mask (key position <= row position)."""
     for tile_start in range(start, end, TILE):
@@ -260,10 +260,10 @@ def attend_causally(q, pos, first_pos, context, scale, K_CACHE, V_CACHE, TABLE_R
     # Every row sees every key up to `first_pos`: whole key tiles there need no causal mask. For a chunk
     # over a long cached prefix that is nearly all of them; only the tiles on the diagonal are masked.
     seen_by_all = (first_pos + 1) // TILE * TILE
-    m_i, l_i, acc = _attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, 0, seen_by_all, last,
-                                      kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False)
-    m_i, l_i, acc = _attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, seen_by_all, last, last,
-                                      kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, True)
+    m_i, l_i, acc = attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, 0, seen_by_all, last,
+                                     kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False)
+    m_i, l_i, acc = attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, seen_by_all, last, last,
+                                     kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, True)
     return acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
 
 

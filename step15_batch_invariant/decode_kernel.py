@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from step06_paged_attention.triton_kernels import _attend_key_tiles, dot_precision
+from step06_paged_attention.triton_kernels import attend_key_tiles, dot_precision
 
 # Keys per piece: 16 of the kernels' 64-key tiles; fixed, never derived from the batch. Smaller pieces spread a
 # long sequence over more programs at a small batch, but each piece starts its tile loop afresh and ends in a
@@ -45,10 +45,10 @@ def attend_piece(q, pos, start, end, seen_by_all, last, K_CACHE, V_CACHE, TABLE_
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     unmasked_end = tl.minimum(tl.maximum(seen_by_all, start), end)
-    m, l, acc = _attend_key_tiles(q, pos, m, l, acc, K_CACHE, V_CACHE, TABLE_ROW, start, unmasked_end, last,
-                                  kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False)
-    m, l, acc = _attend_key_tiles(q, pos, m, l, acc, K_CACHE, V_CACHE, TABLE_ROW, unmasked_end, end, last,
-                                  kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, True)
+    m, l, acc = attend_key_tiles(q, pos, m, l, acc, K_CACHE, V_CACHE, TABLE_ROW, start, unmasked_end, last,
+                                 kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False)
+    m, l, acc = attend_key_tiles(q, pos, m, l, acc, K_CACHE, V_CACHE, TABLE_ROW, unmasked_end, end, last,
+                                 kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, True)
     return m, l, acc
 
 
