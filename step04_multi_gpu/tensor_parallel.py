@@ -237,9 +237,6 @@ class TensorParallelEngine:
         if (device_type == "cuda" and step_name in FUSED_STEPS and getattr(config, "fused_ops", None) is not False):
             raise TensorParallelConfigError("step 13's fused kernels read the projections around the model's layers "
                                             "and would skip their all-reduces: not split yet; add --no-fused-ops")
-        if getattr(config, "batch_invariant", False):  # step 15's switch: its twin does not know sharded layers
-            raise TensorParallelConfigError("--batch-invariant is not split across ranks yet (the sharded layers and "
-                                            "the all-reduce's order would need it too): run it in one process")
         torchrun = "RANK" in os.environ
         world = int(os.environ["WORLD_SIZE"]) if torchrun else tensor_parallel_size
         check_world(world, device_type, backend)

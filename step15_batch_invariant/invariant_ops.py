@@ -11,6 +11,10 @@ decode and verification, captured or eager, run the same numbers. On a GPU the t
 RoPE and SiLU with the kernels that step 13's fused decode runs (`fused_path.py`), so that a token's
 arithmetic is the same in a prefill chunk and in a fused decode step; PyTorch's own versions are invariant
 but round differently from a fused kernel.
+
+Split over ranks (step 04), a row-parallel layer adds the ranks' partial sums. An all-reduce picks how to add
+them by the message's size (a ring cuts the message into one chunk per rank, so where a row's numbers fall, and
+the order they are added in, follows the batch); the twin gathers the partial sums and adds them in rank order.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from common.model import MLP, Attention, CausalLM, RMSNorm, apply_rope
+from step04_multi_gpu.sharding import RowParallelLinear, VocabParallelHead
 
 ROW_TILE = 16  # rows per library call on a CPU: every call multiplies exactly this many
 
@@ -92,8 +98,30 @@ class InvariantMLP(MLP):
         return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
-TWINS: dict[type[nn.Module], type[nn.Module]] = {nn.Linear: InvariantLinear, RMSNorm: InvariantRMSNorm,
-                                                 Attention: InvariantAttention, MLP: InvariantMLP}
+def sum_in_rank_order(partial: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's partial sum, gathered (copies, no arithmetic) and added rank 0 first: the same additions for
+    a row whatever else the message holds."""
+    parts = [torch.empty_like(partial) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, partial.contiguous(), group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+class InvariantRowParallelLinear(RowParallelLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum_in_rank_order(invariant_linear(x, self.weight), self.group)
+
+
+class InvariantVocabParallelHead(VocabParallelHead):
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, self.weight)
+
+
+TWINS: dict[type[nn.Module], type[nn.Module]] = {
+    nn.Linear: InvariantLinear, RMSNorm: InvariantRMSNorm, Attention: InvariantAttention, MLP: InvariantMLP,
+    RowParallelLinear: InvariantRowParallelLinear, VocabParallelHead: InvariantVocabParallelHead}
 
 
 def batch_invariant_twin(model: CausalLM) -> CausalLM:
@@ -101,8 +129,9 @@ def batch_invariant_twin(model: CausalLM) -> CausalLM:
     same weight tensors (nothing on the device is copied; `model` itself is left as it was, for the engines
     that share it). Every path that runs the twin, captured or eager, runs the new forwards."""
     assert model.rope is not None, "call prepare(device) first"
-    shared = [*model.parameters(), *model.buffers(), model.rope.cos, model.rope.sin]
-    twin = copy.deepcopy(model, memo={id(tensor): tensor for tensor in shared})
+    shared = [*model.parameters(), *model.buffers(), model.rope.cos, model.rope.sin,
+              *(module.group for module in model.modules() if getattr(module, "group", None) is not None)]
+    twin = copy.deepcopy(model, memo={id(item): item for item in shared})
     for module in twin.modules():
         module.__class__ = TWINS.get(type(module), type(module))
     return twin

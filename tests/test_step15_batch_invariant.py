@@ -14,10 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.loading import LoadedModel
-from common.model import apply_rope
+from common.engine import Engine
+from common.loading import LoadedModel, load_model
+from common.model import CausalLM, apply_rope
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
+from step04_multi_gpu.tensor_parallel import TensorParallelEngine
 from step15_batch_invariant import attention, invariant_ops
 from step15_batch_invariant.engine import BatchInvariantEngine, BatchInvariantEngineConfig
 from step15_batch_invariant.invariant_ops import InvariantLinear, batch_invariant_twin
@@ -32,11 +34,13 @@ def engine_for(loaded: LoadedModel, invariant: bool = True, **config: object) ->
                                                                    **config))
 
 
-def generate_recording(engine: BatchInvariantEngine, prompts: Sequence[list[int]],
-                       params: SamplingParams = GREEDY) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Each prompt's tokens, and every logits row the output head computed meanwhile."""
+def generate_recording(engine: Engine | TensorParallelEngine, prompts: Sequence[list[int]], params: SamplingParams = GREEDY,
+                       model: CausalLM | None = None) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each prompt's tokens, and every logits row the output head (of `model`, by default the engine's) computed
+    meanwhile."""
     rows: list[torch.Tensor] = []
-    hook = engine.model.lm_head.register_forward_hook(lambda module, inputs, out: rows.extend(out.detach().clone()))
+    head = (model or engine.model).lm_head
+    hook = head.register_forward_hook(lambda module, inputs, out: rows.extend(out.detach().clone()))
     try:
         tokens = [c.token_ids for c in engine.generate(list(prompts), params)]
     finally:
@@ -223,10 +227,19 @@ def test_what_the_mode_cannot_run_is_refused_in_one_line(tiny: LoadedModel, flag
         engine_for(tiny, **flags)
 
 
-def test_tensor_parallelism_refuses_the_mode_before_spawning() -> None:
-    from step04_multi_gpu.sharding import TensorParallelConfigError
-    from step04_multi_gpu.tensor_parallel import TensorParallelEngine
-
-    with pytest.raises(TensorParallelConfigError, match="--batch-invariant is not split"):
-        TensorParallelEngine("step15_batch_invariant", BatchInvariantEngineConfig(model="tiny-llama", device="cpu",
-                                                                                  batch_invariant=True), 3)
+def test_over_three_ranks_a_request_is_the_same_alone_and_batched() -> None:
+    """Step 04's tensor parallelism (gloo, 3 processes: tiny-llama's 3 KV heads) with the mode on: rank 0's logits
+    rows of request A alone are among those of A batched with four others, bit for bit. Each rank multiplies its
+    shard in one order, and the partial sums of a row-parallel layer are added in rank order."""
+    tiny = load_model("tiny-llama", device="cpu")
+    prompts = chat(tiny, 5)
+    split = TensorParallelEngine("step15_batch_invariant", BatchInvariantEngineConfig(
+        model="tiny-llama", device="cpu", batch_invariant=True, max_num_batched_tokens=16), 3)
+    try:
+        assert isinstance(split.engine.model.model.layers[0].mlp.down_proj, invariant_ops.InvariantRowParallelLinear)
+        alone_tokens, alone_rows = generate_recording(split, prompts[:1], model=split.engine.model)
+        tokens, rows = generate_recording(split, prompts[1:3] + prompts[:1] + prompts[3:], model=split.engine.model)
+    finally:
+        split.close()
+    assert tokens[2] == alone_tokens[0]
+    assert rows_found(alone_rows, rows) == len(alone_rows) == GREEDY.max_tokens
