@@ -15,7 +15,8 @@ alone. Against step 14, `BatchInvariantEngine` changes three things before anyth
 - the attention backend (`attention.py`): every row summed over fixed pieces of its keys, in order, whether it
   decodes, ends a prefill chunk, or verifies a proposal.
 - on a GPU, step 13's fused decode, whose every op is made the same arithmetic as the model's (`fused_path.py`).
-Scheduling, graphs, prefix caching, speculation and overlap are step 14's.
+Scheduling, graphs, prefix caching, speculation and overlap are step 14's. Over step 04's ranks the twin's
+sharded layers multiply the same way, and add the ranks' partial sums in rank order.
 """
 
 from __future__ import annotations
