@@ -75,7 +75,7 @@ def matmul_part(config: ModelConfig, device: torch.device, rows_list: list[int])
         alone = invariant_matmul(x_all[:1], weight)[0]  # row 0 multiplied by itself, with the engine's tile
         for rows in rows_list:
             x = x_all[:rows]
-            engine_tile = tile_for(rows, n, k)
+            engine_tile = tile_for(rows)
             reference = invariant_matmul(x, weight, tile=engine_tile)
             point: dict[str, Any] = {"linear": name, "n": n, "k": k, "rows": rows,
                                      "engine_tile": tile_name(engine_tile),

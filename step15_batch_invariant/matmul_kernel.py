@@ -39,14 +39,14 @@ class MatmulTile:
     num_stages: int = 4
 
 
-def tile_for(rows: int, n: int, k: int, element_size: int = 2) -> MatmulTile:
-    """The tile for `rows` rows times an [n, k] weight (the weight's shape is not used yet; every tile gives the
-    same bits, so a tile per weight would be invariant too). From `bench_kernels.py`'s sweep of Qwen2.5-7B's
-    shapes on the H200 (results/gpu/batch-invariance-kernels.json), a whole decode step's multiplies:
+def tile_for(rows: int, element_size: int = 2) -> MatmulTile:
+    """The tile for a call of `rows` rows. From `bench_kernels.py`'s sweep of Qwen2.5-7B's shapes on the H200
+    (results/gpu/batch-invariance-kernels.json), a whole decode step's multiplies:
     up to 16 rows, bands of 16 rows by 32 features stepping 256 of K (3.79 ms at 1 row, cuBLAS 3.83); up to
     64, 64 by 32 (4.69 ms at 64 rows, the sweep's best single tile 4.62, cuBLAS 3.89); above, 128 by 128 by 64
     for a prefill (10.38 ms at 256 rows against cuBLAS's 5.59: the best tile for each weight would take 8.04,
-    the next thing to win back). float32 halves the K step, so that the pipeline still fits in shared memory."""
+    the next thing to win back; every tile gives the same bits, so a tile per weight stays invariant). float32
+    halves the K step, so that the pipeline still fits in shared memory."""
     shrink = element_size // 2
     if INTERPRETED or rows > 64:
         return MatmulTile(128, 128, 64 // shrink, num_warps=8, num_stages=3)
@@ -86,7 +86,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("invariant_matmul needs x's rows and the weight contiguous")
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
-    tile = tile or tile_for(rows, n, k, x.element_size())
+    tile = tile or tile_for(rows, x.element_size())
     grid = (triton.cdiv(rows, tile.block_m), triton.cdiv(n, tile.block_n))
     _invariant_matmul_kernel[grid](x, weight, bias if bias is not None else weight, out, rows, n, k,
                                    x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
