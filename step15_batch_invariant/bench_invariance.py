@@ -7,8 +7,8 @@ Every part runs step 15's engine twice, with `--batch-invariant` off and on, ove
   then one at a time; how many texts are the same;
 - `speculation`: greedy requests decoded with n-gram speculation (step 11) and without; how many are equal;
 - `decode`: output tokens per second decoding `--batches` requests of 32 prompt tokens, 128 new tokens each,
-  and with `--long-prompt N` one request of N prompt tokens (its prefill counted in), the long context where
-  decode attention runs unsplit;
+  and with `--long-prompt N` one request of N prompt tokens (its prefill counted in): a long context, which
+  step 15's decode attention splits only into 1,024-key pieces;
 - `nanovllm`: the 256-sequence workload (lengths uniform in [100, 1024]).
 Speeds are reported with the mode on as a ratio of off, measured in the same process.
 
@@ -115,8 +115,11 @@ def speed(loaded: LoadedModel, invariant: bool, batches: list[int], long_prompt:
           nanovllm: bool) -> dict[str, float]:
     """Output tokens per second for each decode batch, one long prompt and the 256-sequence workload where
     asked."""
-    workloads = ([fixed_workload(b, 32, 128) for b in batches] + ([fixed_workload(1, long_prompt, 128)] if long_prompt
-                 else []) + ([nanovllm_workload()] if nanovllm else []))
+    workloads = [fixed_workload(b, 32, 128) for b in batches]
+    if long_prompt:
+        workloads.append(fixed_workload(1, long_prompt, 128))
+    if nanovllm:
+        workloads.append(nanovllm_workload())
     engine = make_engine(loaded, invariant, max(len(w.prompts) for w in workloads))
     result = {}
     for workload in workloads:
