@@ -85,7 +85,7 @@ def fail(err: Exception) -> int:
 MINIMUMS: dict[str, int] = {
     "max_tokens": 1, "prompt_len": 1, "repeats": 1, "max_num_seqs": 1, "max_model_len": 1, "block_size": 1,
     "num_blocks": 1, "max_graph_batch": 1, "max_num_batched_tokens": 1, "temperature": 0, "hf_static_max_batch": 0,
-    "tensor_parallel_size": 1, "data_parallel_size": 1, "profile": 1, "long_prompt": 0,
+    "tensor_parallel_size": 1, "data_parallel_size": 1, "profile": 1,
 }
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the names EngineConfig.resolved_dtype accepts

@@ -247,19 +247,30 @@ def attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, start, 
 
 
 @triton.jit
+def empty_softmax(ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A running softmax that has seen no key yet: max -inf, sum 0, weighted values 0 (float32)."""
+    return (tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32),
+            tl.zeros([ROWS, HEAD_DIM], tl.float32))
+
+
+@triton.jit
+def causal_bounds(first_pos, context, BLOCK_M: tl.constexpr, TILE: tl.constexpr):
+    """For BLOCK_M query rows from position `first_pos` on: the first key none of them sees, and the end of the
+    whole key tiles every one of them sees (which need no causal mask)."""
+    last = tl.minimum(first_pos + BLOCK_M, context)  # causal: no key past the last row
+    # For a chunk over a long cached prefix that is nearly every tile; only the tiles on the diagonal are masked.
+    return last, (first_pos + 1) // TILE * TILE
+
+
+@triton.jit
 def attend_causally(q, pos, first_pos, context, scale, K_CACHE, V_CACHE, TABLE_ROW, kv_head, d, stride_slot,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
                     PRECISION: tl.constexpr):
     """Attention of BLOCK_M query rows `q` of one sequence, at positions `pos` (none before `first_pos`, none
     past `first_pos + BLOCK_M - 1`), over its cached keys below `context`. Returns [BLOCK_M, HEAD_DIM] float32."""
     q = (q.to(tl.float32) * scale).to(q.dtype)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    last = tl.minimum(first_pos + BLOCK_M, context)  # causal: no key past the last row
-    # Every row sees every key up to `first_pos`: whole key tiles there need no causal mask. For a chunk
-    # over a long cached prefix that is nearly all of them; only the tiles on the diagonal are masked.
-    seen_by_all = (first_pos + 1) // TILE * TILE
+    m_i, l_i, acc = empty_softmax(BLOCK_M, HEAD_DIM)
+    last, seen_by_all = causal_bounds(first_pos, context, BLOCK_M, TILE)
     m_i, l_i, acc = attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, 0, seen_by_all, last,
                                      kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False)
     m_i, l_i, acc = attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, seen_by_all, last, last,

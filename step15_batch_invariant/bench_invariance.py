@@ -31,7 +31,7 @@ from openai import AsyncOpenAI
 
 from common.bench import (default_output, evidence_header, fixed_workload, nanovllm_workload, run_engine,
                           write_json)
-from common.cli import CommandLineError, Parser, check_args, fail, parse_names, parse_sizes
+from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_names, parse_sizes
 from common.loading import EMBEDDED_MODEL, LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
@@ -151,6 +151,7 @@ def main() -> int:
         check_args(args)
         parts = parse_names("--parts", args.parts, PARTS)
         batches = parse_sizes("--batches", args.batches)
+        check_at_least("--long-prompt", args.long_prompt, 0)
     except CommandLineError as err:
         return fail(err)
     config = BatchInvariantEngineConfig(model=args.model, device=args.device, dtype=args.dtype)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from step06_paged_attention.triton_kernels import attend_key_tiles, dot_precision
+from step06_paged_attention.triton_kernels import attend_key_tiles, causal_bounds, dot_precision, empty_softmax
 
 # Keys per piece: 16 of the kernels' 64-key tiles; fixed, never derived from the batch. Smaller pieces spread a
 # long sequence over more programs at a small batch, but each piece starts its tile loop afresh and ends in a
@@ -41,9 +41,7 @@ def attend_piece(q, pos, start, end, seen_by_all, last, K_CACHE, V_CACHE, TABLE_
                  PRECISION: tl.constexpr):
     """Keys `start`..`end` (one piece) folded into a running softmax of their own: (m, l, acc) in float32.
     Tiles before `seen_by_all` are seen by every row and skip the causal mask, as in step 06."""
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m, l, acc = empty_softmax(BLOCK_M, HEAD_DIM)
     unmasked_end = tl.minimum(tl.maximum(seen_by_all, start), end)
     m, l, acc = attend_key_tiles(q, pos, m, l, acc, K_CACHE, V_CACHE, TABLE_ROW, start, unmasked_end, last,
                                  kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False)
@@ -68,11 +66,8 @@ def attend_in_pieces(q, pos, first_pos, context, scale, K_CACHE, V_CACHE, TABLE_
                      PRECISION: tl.constexpr):
     """Step 06's `attend_causally` (same arguments, same result up to rounding), the keys summed piece by piece."""
     q = (q.to(tl.float32) * scale).to(q.dtype)
-    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_all = tl.zeros([BLOCK_M], tl.float32)
-    acc_all = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    last = tl.minimum(first_pos + BLOCK_M, context)  # causal: no key past the last row
-    seen_by_all = (first_pos + 1) // TILE * TILE
+    m_all, l_all, acc_all = empty_softmax(BLOCK_M, HEAD_DIM)
+    last, seen_by_all = causal_bounds(first_pos, context, BLOCK_M, TILE)
     for start in range(0, last, PIECE):
         m, l, acc = attend_piece(q, pos, start, tl.minimum(start + PIECE, last), seen_by_all, last, K_CACHE, V_CACHE,
                                  TABLE_ROW, kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, BLOCK_M, TILE, PRECISION)
@@ -100,11 +95,9 @@ def _pieces_decode_kernel(Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQ_LENS, ACC, M, L,
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=in_group[:, None], other=0.0)
         q = (q.to(tl.float32) * scale).to(q.dtype)
         pos = tl.zeros([BLOCK_M], tl.int32) + (context - 1)  # every row is the same token
-        seen_by_all = context // TILE * TILE
+        _, seen_by_all = causal_bounds(context - 1, context, BLOCK_M, TILE)  # as for the token in a prefill
         table_row = BLOCK_TABLE + b * stride_bt
-        m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_all = tl.zeros([BLOCK_M], tl.float32)
-        acc_all = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        m_all, l_all, acc_all = empty_softmax(BLOCK_M, HEAD_DIM)
         out = OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         # Where this (request, KV head)'s pieces are kept when several workers share them: per row of the group,
         # max_pieces stats (m, l) and max_pieces sums of HEAD_DIM.
