@@ -57,11 +57,14 @@ def _load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexpr, MASKED: tl.constexpr,
+                         SUM_BY_DOT: tl.constexpr = False):
     """Fold one K/V tile into the running max `m_i`, sum `l_i` and weighted values `acc` (all float32).
     PRECISION "ieee" keeps float32 products exact; "tf32" (the default) would round them to 10 bits.
     MASKED False: every row may see every key of the tile, so `allowed` is not applied (and no row is left
-    at -inf, so no guard is needed): the prefill kernel's tiles left of the causal diagonal."""
+    at -inf, so no guard is needed): the prefill kernel's tiles left of the causal diagonal.
+    SUM_BY_DOT (step 15): add up a row's weights on the tensor cores, as `acc` is, in an order that does not
+    follow the tile's shape (`tl.sum`'s order follows how the compiler spreads the tile over threads)."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         scores = tl.where(allowed, scores, float("-inf"))
@@ -73,7 +76,11 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexp
         base = m_new
     p = tl.exp(scores - base[:, None])
     alpha = tl.exp(m_i - base)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if SUM_BY_DOT:
+        ones = tl.full([p.shape[1], 16], 1.0, v.dtype)  # 16 equal columns: a dot's narrowest; max picks one
+        l_i = l_i * alpha + tl.max(tl.dot(p.to(v.dtype), ones, input_precision=PRECISION), axis=1)
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -234,7 +241,7 @@ write_kv, paged_decode = KERNELS.write_kv, KERNELS.paged_decode  # as functions,
 @triton.jit
 def attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, start, end, last, kv_head, d, stride_slot,
                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
-                     MASKED: tl.constexpr):
+                     MASKED: tl.constexpr, SUM_BY_DOT: tl.constexpr = False):
     """Fold the key tiles from `start` to `end` into the running softmax of query rows at positions `pos`.
     Keys at or past `last` are never read; MASKED applies the causal mask (key position <= row position)."""
     for tile_start in range(start, end, TILE):
@@ -242,7 +249,7 @@ def attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, start, 
         valid = t < last
         k, v = _load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE)
         allowed = valid[None, :] & (t[None, :] <= pos[:, None])  # causal
-        m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION, MASKED)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION, MASKED, SUM_BY_DOT)
     return m_i, l_i, acc
 
 

@@ -88,8 +88,9 @@ class InvariantTritonBackend(TileListTritonBackend):
     """Step 12's Triton backend, every row's keys summed in pieces of a fixed size (`decode_kernel.py`): prefill
     chunks and verification rows through step 06's prefill kernels with `attend_in_pieces`, decode rows through
     `pieces_decode`, with the same tiles, pieces and merges. Step 06's decode kernel is not used: with one split
-    it walks the same tiles in the same order, yet on the H200 it gives other bits (`probe.py`; its tile has 16
-    rows, not the prefill's 64: another shape, compiled to other arithmetic)."""
+    it walks the same tiles in the same order, yet on the H200 it gives other bits (`probe.py`): it adds a
+    row's weights with `tl.sum`, whose order follows its tile's shape, where step 15 adds them on the tensor
+    cores (`SUM_BY_DOT`)."""
 
     def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
         """Workers per (request, KV head): enough to fill one wave of about four programs per multiprocessor,

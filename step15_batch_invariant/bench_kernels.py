@@ -33,7 +33,7 @@ from step06_paged_attention.kernel_bench import timed_ms
 from step06_paged_attention.triton_kernels import paged_decode, paged_prefill
 from step15_batch_invariant.attention import InvariantTritonBackend
 from step15_batch_invariant.decode_kernel import attend_in_pieces, pieces_decode
-from step15_batch_invariant.matmul_kernel import MatmulTile, invariant_matmul, tile_for
+from step15_batch_invariant.matmul_kernel import MatmulTile, invariant_matmul, multiprocessors, tile_for
 
 PARTS = ("matmul", "attention")
 REPEATS = 20
@@ -50,12 +50,13 @@ def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def tiles_tried(rows: int) -> list[MatmulTile]:
-    """Decode: row bands of 16 up to 16 rows, of 32 or 64 up to 64; 16 to 64 features; 128 or 256 of K. Prefill
-    (more rows): 64 or 128 rows by 64 or 128 features by 64 or 128 of K, on 4 or 8 warps. 3 or 4 stages, where
-    the pipeline (each stage holds a bf16 tile of x and one of the weight) fits in SHARED_MEMORY."""
+    """Decode: row bands of 16 up to 16 rows, of 32 or 64 up to 64; 16 to 64 features; 128 or 256 of K. More
+    rows (a prefill, or a decode of many sequences): 32 to 128 rows by 32 to 128 features by 64 to 256 of K,
+    on 4 warps (8 too for 128 rows). 3 or 4 stages, where the pipeline (each stage holds a bf16 tile of x and
+    one of the weight) fits in SHARED_MEMORY."""
     if rows > 64:
-        tiles = [MatmulTile(m, n, k, w, s) for m in (64, 128) for n in (64, 128) for k in (64, 128) for w in (4, 8)
-                 for s in (3, 4)]
+        tiles = [MatmulTile(m, n, k, w, s) for m, n in ((32, 64), (64, 32), (64, 64), (64, 128), (128, 64), (128, 128))
+                 for k in (64, 128, 256) for w in ((4, 8) if m == 128 else (4,)) for s in (3, 4)]
     else:
         tiles = [MatmulTile(m, n, k, num_stages=s) for m in ((16,) if rows <= 16 else (32, 64)) for n in (16, 32, 64)
                  for k in (128, 256) for s in (3, 4)]
@@ -75,7 +76,7 @@ def matmul_part(config: ModelConfig, device: torch.device, rows_list: list[int])
         alone = invariant_matmul(x_all[:1], weight)[0]  # row 0 multiplied by itself, with the engine's tile
         for rows in rows_list:
             x = x_all[:rows]
-            engine_tile = tile_for(rows)
+            engine_tile = tile_for(rows, n, k, 2, multiprocessors(device))
             reference = invariant_matmul(x, weight, tile=engine_tile)
             point: dict[str, Any] = {"linear": name, "n": n, "k": k, "rows": rows,
                                      "engine_tile": tile_name(engine_tile),

@@ -8,14 +8,17 @@ pieces are merged in order. That is the token's arithmetic everywhere:
 - `attend_in_pieces`: a tile of query rows (a prefill chunk's, a verification's) walks its pieces one after the
   other in one program, merging as it goes. Step 15 hands it to step 06's prefill kernels (`ATTEND`).
 - `pieces_decode`: one token per request, one program per (request, KV head, worker), the group's query heads
-  as the program's rows (each key tile is read once per group). A worker computes pieces worker, worker +
+  as the program's rows (each key tile is read once per group), 16 of them for groups up to 16. A worker computes pieces worker, worker +
   WORKERS, ...; with one worker it merges in registers, with more each piece is stored (float32, exactly) and
   the last worker to finish merges all of them, in order. How many workers follows the batch, as step 06's
   splits do; it decides only which program computes a piece, never how a piece or the merge is summed.
 
 A row's sum does not depend on which row of a tile it is, nor on what the other rows hold, and a piece or a
-key tile wholly past a row's position changes nothing (it rescales by exp(0) = 1 and adds 0): `probe.py`
-checks decode rows against the same token in prefill chunks bit for bit on the GPU.
+key tile wholly past a row's position changes nothing (it rescales by exp(0) = 1 and adds 0). Nor on how many
+rows the tile has: every sum over keys runs on the tensor cores (`SUM_BY_DOT`: a row's weights too, not only
+the weighted values), whose order is the same for a 16-row decode tile and a 64-row prefill tile, where
+`tl.sum`'s order follows how the compiler spreads each shape over threads. `probe.py` and `bench_kernels.py`
+check decode rows against the same token in prefill chunks bit for bit on the GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from step06_paged_attention.triton_kernels import attend_key_tiles, causal_bound
 # long sequence over more programs at a small batch, but each piece starts its tile loop afresh and ends in a
 # merge, which every prefill and decode row pays.
 PIECE = tl.constexpr(1024)
-QUERY_ROWS = 64  # rows per program, as in step 06's prefill kernel: the tile shape its dots are compiled for
+QUERY_ROWS = 64  # rows per prefill program, as in step 06; a decode program has the fewest that hold its group
 KEY_TILE = 64  # keys per tile, the same
 MAX_WORKERS = 32  # programs sharing one sequence's pieces, at most
 
@@ -44,9 +47,9 @@ def attend_piece(q, pos, start, end, seen_by_all, last, K_CACHE, V_CACHE, TABLE_
     m, l, acc = empty_softmax(BLOCK_M, HEAD_DIM)
     unmasked_end = tl.minimum(tl.maximum(seen_by_all, start), end)
     m, l, acc = attend_key_tiles(q, pos, m, l, acc, K_CACHE, V_CACHE, TABLE_ROW, start, unmasked_end, last,
-                                 kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False)
+                                 kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False, True)
     m, l, acc = attend_key_tiles(q, pos, m, l, acc, K_CACHE, V_CACHE, TABLE_ROW, unmasked_end, end, last,
-                                 kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, True)
+                                 kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, True, True)
     return m, l, acc
 
 
@@ -143,7 +146,8 @@ def pieces_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     [num_blocks, block_size, kv_heads, head_dim]; seq_lens: [batch] int32, the new token included, none past
     `max_seq_len`. `workers` programs share each (request, KV head)'s pieces; with more than one, `arrived`
     holds int32 zeros, at least batch x kv_heads, where they count in (and which they leave at 0). Launched as
-    step 06's `paged_prefill` is (64 rows, 64-key tiles, 4 warps, 3 stages): the same compiled arithmetic.
+    step 06's `paged_prefill` is (64-key tiles, 4 warps, 3 stages), with the fewest rows (16 at least) that
+    hold a group: a 2-head group in a 64-row tile would spend 32 times the work it needs.
     Returns [batch, heads, head_dim]."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -161,6 +165,7 @@ def pieces_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _pieces_decode_kernel[(batch, kv_heads, workers)](
         q, k_cache, v_cache, block_table, seq_lens, acc, m, l, arrived if workers > 1 else m, out, head_dim**-0.5,
         q.stride(0), q.stride(1), block_table.stride(0), kv_heads * head_dim, out.stride(0), out.stride(1),
-        max_pieces, WORKERS=workers, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=QUERY_ROWS,
+        max_pieces, WORKERS=workers, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=max(16, triton.next_power_of_2(group)),
         TILE=KEY_TILE, PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=3)
     return out

@@ -9,9 +9,9 @@ a matrix-vector kernel for one row), so the same row comes out with other bits a
 The tile's shape decides which outputs a program computes, not how each is summed: on the H200 every tile
 shape we tried, 16 to 128 rows by 16 to 128 features by 64 to 256 of K, gives the same bits (`probe.py`
 checks it on your GPU, `bench_kernels.py` for every tile of its sweep, and the engine's tests check whole
-requests). So the tile may follow the number of rows, as a library's would: narrow bands for a decode step's
-few rows, so that every multiprocessor streams its share of the weight, and wide tiles for a prefill, which
-reuse each loaded weight across many rows.
+requests). So the tile may follow the shape, as a library's would: narrow bands for a decode step's few rows,
+so that every multiprocessor streams its share of the weight, and wide tiles for a prefill, which reuse each
+loaded weight across many rows, as wide as still gives the multiprocessors enough programs.
 
 On a machine without a GPU, set TRITON_INTERPRET=1 to run it on CPU tensors (the tests do); the
 interpreter's dot is NumPy's, whose bits do depend on the tile, so there one tile serves every call.
@@ -19,6 +19,7 @@ interpreter's dot is NumPy's, whose bits do depend on the tile, so there one til
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -39,20 +40,31 @@ class MatmulTile:
     num_stages: int = 4
 
 
-def tile_for(rows: int, element_size: int = 2) -> MatmulTile:
-    """The tile for a call of `rows` rows. From `bench_kernels.py`'s sweep of Qwen2.5-7B's shapes on the H200
-    (results/gpu/batch-invariance-kernels.json), a whole decode step's multiplies:
-    up to 16 rows, bands of 16 rows by 32 features stepping 256 of K (3.79 ms at 1 row, cuBLAS 3.83); up to
-    64, 64 by 32 (4.69 ms at 64 rows, the sweep's best single tile 4.62, cuBLAS 3.89); above, 128 by 128 by 64
-    for a prefill (10.38 ms at 256 rows against cuBLAS's 5.59: the best tile for each weight would take 8.04,
-    the next thing to win back; every tile gives the same bits, so a tile per weight stays invariant). float32
-    halves the K step, so that the pipeline still fits in shared memory."""
+def tile_for(rows: int, n: int, k: int, element_size: int = 2, multiprocessors: int = 132) -> MatmulTile:
+    """The tile for `rows` rows times an [n, k] weight. Every tile gives the same bits, so the tile may follow
+    the shape as a library's does; these choices come from `bench_kernels.py`'s sweep on the H200
+    (results/gpu/batch-invariance-kernels.json). Up to 16 rows, bands of 16 by 32 features that stream the
+    weight; up to 64, 64 by 64 for a weight wider than deep, 64 by 32 stepping 256 of K otherwise. More rows
+    (a prefill, or a decode of many sequences): the widest tile that still gives half the multiprocessors a
+    program, since a program walks all of K alone (no split): 128 x 128, or 64 x 128; a narrow weight (Qwen3-
+    0.6B's o and down projections, 1,024 features) falls back to the 64-row bands. float32 halves the K step,
+    so that the pipeline still fits in shared memory."""
     shrink = element_size // 2
-    if INTERPRETED or rows > 64:
+    if INTERPRETED:
         return MatmulTile(128, 128, 64 // shrink, num_warps=8, num_stages=3)
-    if rows > 16:
-        return MatmulTile(64, 32, 256 // shrink)
-    return MatmulTile(16, 32, 256 // shrink)
+    if rows <= 16:
+        return MatmulTile(16, 32, 256 // shrink)
+    if rows > 64:
+        for tile in (MatmulTile(128, 128, 64 // shrink, num_warps=8, num_stages=3), MatmulTile(64, 128, 128 // shrink)):
+            if triton.cdiv(rows, tile.block_m) * triton.cdiv(n, tile.block_n) >= multiprocessors // 2:
+                return tile
+    return MatmulTile(64, 64, 128 // shrink) if n > k else MatmulTile(64, 32, 256 // shrink)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count, asked once (1 off a GPU, where the interpreter's one tile serves)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @triton.jit
@@ -86,7 +98,7 @@ def invariant_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("invariant_matmul needs x's rows and the weight contiguous")
     out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
-    tile = tile or tile_for(rows, x.element_size())
+    tile = tile or tile_for(rows, n, k, x.element_size(), multiprocessors(x.device))
     grid = (triton.cdiv(rows, tile.block_m), triton.cdiv(n, tile.block_n))
     _invariant_matmul_kernel[grid](x, weight, bias if bias is not None else weight, out, rows, n, k,
                                    x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,

@@ -141,7 +141,8 @@ def tile_shapes_agree(x: torch.Tensor, weight: torch.Tensor) -> dict[str, dict[s
     """The same call through each tile shape the engine uses: whether all its outputs have the first's bits."""
     from step15_batch_invariant.matmul_kernel import invariant_matmul, tile_for
 
-    tiles = {f"{t.block_m}x{t.block_n}x{t.block_k}": t for t in (tile_for(r, x.element_size()) for r in (1, 64, 256))}
+    n, k = weight.shape
+    tiles = {f"{t.block_m}x{t.block_n}x{t.block_k}": t for t in (tile_for(r, n, k, x.element_size()) for r in (1, 64, 256))}
     outs = {name: invariant_matmul(x, weight, tile=tile) for name, tile in tiles.items()}
     first = next(iter(outs.values()))
     return {name: {"same": torch.equal(out, first), "max_abs_diff": (out.float() - first.float()).abs().max().item()}
