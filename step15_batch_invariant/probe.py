@@ -142,7 +142,8 @@ def tile_shapes_agree(x: torch.Tensor, weight: torch.Tensor) -> dict[str, dict[s
     from step15_batch_invariant.matmul_kernel import invariant_matmul, tile_for
 
     n, k = weight.shape
-    tiles = {f"{t.block_m}x{t.block_n}x{t.block_k}": t for t in (tile_for(r, n, k, x.element_size()) for r in (1, 64, 256))}
+    engine_tiles = (tile_for(rows, n, k, x.element_size()) for rows in (1, 64, 256))
+    tiles = {f"{t.block_m}x{t.block_n}x{t.block_k}": t for t in engine_tiles}
     outs = {name: invariant_matmul(x, weight, tile=tile) for name, tile in tiles.items()}
     first = next(iter(outs.values()))
     return {name: {"same": torch.equal(out, first), "max_abs_diff": (out.float() - first.float()).abs().max().item()}
