@@ -10,8 +10,9 @@ pieces are merged in order. That is the token's arithmetic everywhere:
 - `pieces_decode`: one token per request, one program per (request, KV head, worker), the group's query heads
   as the program's rows (each key tile is read once per group), 16 of them for groups up to 16. A worker
   computes pieces worker, worker + WORKERS, ...; with one worker it merges in registers, with more each piece
-  is stored (float32, exactly) and the last worker to finish merges all of them, in order. How many workers follows the batch, as step 06's
-  splits do; it decides only which program computes a piece, never how a piece or the merge is summed.
+  is stored (float32, exactly) and the last worker to finish merges all of them, in order. How many workers
+  follows the batch, as step 06's splits do; it decides only which program computes a piece, never how a
+  piece or the merge is summed.
 
 A row's sum does not depend on which row of a tile it is, nor on what the other rows hold, and a piece or a
 key tile wholly past a row's position changes nothing (it rescales by exp(0) = 1 and adds 0). Nor on how many
