@@ -40,23 +40,24 @@ class MatmulTile:
     num_stages: int = 4
 
 
-def tile_for(rows: int, n: int, k: int, element_size: int = 2, multiprocessors: int = 132) -> MatmulTile:
+def tile_for(rows: int, n: int, k: int, element_size: int = 2, sms: int = 132) -> MatmulTile:
     """The tile for `rows` rows times an [n, k] weight. Every tile gives the same bits, so the tile may follow
     the shape as a library's does; these choices come from `bench_kernels.py`'s sweep on the H200
     (results/gpu/batch-invariance-kernels.json). Up to 16 rows, bands of 16 by 32 features that stream the
     weight; up to 64, 64 by 64 for a weight wider than deep, 64 by 32 stepping 256 of K otherwise. More rows
-    (a prefill, or a decode of many sequences): the widest tile that still gives half the multiprocessors a
-    program, since a program walks all of K alone (no split): 128 x 128, or 64 x 128; a narrow weight (Qwen3-
-    0.6B's o and down projections, 1,024 features) falls back to the 64-row bands. float32 halves the K step,
-    so that the pipeline still fits in shared memory."""
+    (a prefill, or a decode of many sequences): the widest tile that still gives half the `sms` multiprocessors
+    (the H200 has 132) a program, since a program walks all of K alone (no split): 128 x 128, or 64 x 128; a
+    narrow weight (Qwen3-0.6B's o and down projections, 1,024 features) falls back to the 64-row bands.
+    float32 halves the K step, so that the pipeline still fits in shared memory."""
     shrink = element_size // 2
     if INTERPRETED:
         return MatmulTile(128, 128, 64 // shrink, num_warps=8, num_stages=3)
     if rows <= 16:
         return MatmulTile(16, 32, 256 // shrink)
     if rows > 64:
-        for tile in (MatmulTile(128, 128, 64 // shrink, num_warps=8, num_stages=3), MatmulTile(64, 128, 128 // shrink)):
-            if triton.cdiv(rows, tile.block_m) * triton.cdiv(n, tile.block_n) >= multiprocessors // 2:
+        wide = (MatmulTile(128, 128, 64 // shrink, num_warps=8, num_stages=3), MatmulTile(64, 128, 128 // shrink))
+        for tile in wide:
+            if triton.cdiv(rows, tile.block_m) * triton.cdiv(n, tile.block_n) >= sms // 2:
                 return tile
     return MatmulTile(64, 64, 128 // shrink) if n > k else MatmulTile(64, 32, 256 // shrink)
 
