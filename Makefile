@@ -30,9 +30,12 @@ $(VENV)/.installed: pyproject.toml
 tour: install
 	$(BIN)/python tour.py
 
-# -rs lists every skipped test with its reason (a GPU, flash-attn, or Triton's platform).
+# -rs lists every skipped test with its reason (a GPU, flash-attn, or Triton's platform). pytest-xdist runs a worker
+# per core, each on one thread (tests/conftest.py), and hands a worker's queued tests to an idle one (worksteal); at
+# most 4 workers, as each loads its own copy of the models. One worker, the order of the files: TEST_WORKERS=0.
+TEST_WORKERS ?= auto
 test: install
-	$(BIN)/python -m pytest -rs tests --nbmake notebooks
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist worksteal -rs tests --nbmake notebooks
 
 # The exercises (exercises/README.md): list them with their status, or check one, e.g. make exercise EX=02-slot-mapping
 exercises: install

@@ -18,6 +18,11 @@ from collections.abc import Iterator
 # first imported (by anything), hence here, before torch and transformers.
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (`make test` runs a worker per core) each worker keeps to one thread, and so does every
+# process a test starts (a notebook's kernel, a server, a rank): torch would otherwise give each one a thread
+# per core, and the workers would fight over the same cores. Set before torch is imported, which reads it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -28,6 +33,9 @@ from common.loading import LoadedModel, embedded_tokenizer, load_model  # noqa: 
 from common.reference import hf_model_for  # noqa: E402
 from common.tokenizer import Tokenizer  # noqa: E402
 from tests.helpers import PARITY_MAX_TOKENS  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # in case a plugin imported torch before OMP_NUM_THREADS was set above
 
 EMBEDDED_FIXTURES = {"embedded", "embedded_hf", "embedded_reference"}
 

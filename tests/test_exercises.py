@@ -1,6 +1,11 @@
 """Every exercise checks both ways: its tests pass with the project's own code (the solution) and fail with the
-untouched stub, so no selected test can pass on a stub. Each run is `python -m exercises run <id> --tests-only`
-in a subprocess, as the learner runs it (the dry run is left out here: the step's own tests run it)."""
+untouched stub, so no selected test can pass on a stub.
+
+The checks call the runner in this process (`exercises.runner.run_tests`, what `python -m exercises run <id>`
+calls), so each costs the selected tests alone, not a new Python that imports torch and transformers again; one
+test runs the command itself, both ways, as the learner runs it (the dry run is left out here: the step's own
+tests run it).
+"""
 
 from __future__ import annotations
 
@@ -13,31 +18,45 @@ from pathlib import Path
 
 import pytest
 
-from exercises import EXERCISES, Exercise
+from exercises import EXERCISES, Exercise, find_exercise
+from exercises.runner import explain, run_tests
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_exercise(exercise: Exercise, *flags: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "exercises", "run", exercise.id, "--tests-only", *flags],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
 def test_the_project_code_solves_it(exercise: Exercise) -> None:
-    result = run_exercise(exercise, "--project")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"exercise {exercise.id}: solved" in result.stdout
+    result = run_tests(exercise, exercise.solution())
+    assert not result.failed, "\n".join(explain(case) for case in result.failed)
+    assert result.passed >= 1
 
 
 @pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
 def test_the_untouched_stub_fails_every_selected_test(exercise: Exercise) -> None:
     if not exercise.is_untouched():
         pytest.skip(f"exercises/{exercise.stub_path.name} has been written in this checkout; CI checks the stub")
-    result = run_exercise(exercise)
-    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "not written yet" in result.stdout
-    assert " passed" not in result.stdout.split(f"=== exercise {exercise.id}: not yet")[0]  # not one passes
+    result = run_tests(exercise, exercise.learner_function())
+    assert result.passed == 0, f"{result.passed} selected tests pass on the stub: they do not check it"
+    assert result.failed and any("not written yet" in explain(case) for case in result.failed)
+
+
+def test_the_command_checks_an_exercise_as_the_learner_runs_it() -> None:
+    """`python -m exercises run <id>` in a process of its own: "solved" with the project's code (exit 0), "not
+    yet" with the stub (exit 1), each test named and told in a learner's words."""
+    exercise = find_exercise("02-slot-mapping")
+
+    def command(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "exercises", "run", exercise.id, "--tests-only", *flags],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    solved = command("--project")
+    assert solved.returncode == 0, solved.stdout[-3000:] + solved.stderr[-3000:]
+    assert f"exercise {exercise.id}: solved" in solved.stdout
+    if not exercise.is_untouched():
+        pytest.skip(f"exercises/{exercise.stub_path.name} has been written in this checkout; CI checks the stub")
+    stub = command()
+    assert stub.returncode == 1, stub.stdout[-3000:] + stub.stderr[-3000:]
+    assert f"exercise {exercise.id}: not yet" in stub.stdout and "not written yet" in stub.stdout
 
 
 def test_exercise_ids_are_unique_and_each_target_exists() -> None:
