@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from common.bench import Workload, default_output, evidence_header, nanovllm_workload, run_engine, write_json
-from common.cli import CommandLineError, Parser, check_args, check_at_least, fail
+from common.cli import CommandLineError, Parser, at_least, check_args, check_at_least, fail
 from common.loading import EMBEDDED_MODEL, load_model
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step07_preemption.swap import Swapper
@@ -39,7 +39,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=at_least(1), default=16)
     p.add_argument("--tight-fraction", type=float, default=0.25)
     p.add_argument("--swap-blocks", type=int, default=64)
     p.add_argument("--output", type=Path, default=None,

@@ -31,7 +31,7 @@ from openai import AsyncOpenAI
 
 from common.bench import (default_output, evidence_header, fixed_workload, nanovllm_workload, run_engine,
                           write_json)
-from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_names, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, check_at_least, fail, parse_names, parse_sizes
 from common.loading import EMBEDDED_MODEL, LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
@@ -136,9 +136,9 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--parts", default="together,speculation", help=f"comma-separated, of: {', '.join(PARTS)}")
     p.add_argument("--requests", type=int, default=32, help="requests sent together, then one at a time")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens each of those requests generates")
+    p.add_argument("--max-tokens", type=at_least(1), default=64, help="tokens each of those requests generates")
     p.add_argument("--batches", default="1,8,64", help="decode batches timed by the `decode` part")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    p.add_argument("--max-num-batched-tokens", type=at_least(1), default=None,
                    help="the token budget of the together, server and speculation parts: a small one cuts prompts "
                         "sent together into chunks at other places than alone (default: the engine's)")
     p.add_argument("--long-prompt", type=int, default=0,
