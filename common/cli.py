@@ -8,7 +8,8 @@
 A step with its own switches passes `add_arguments`; its engine's `config_class` has fields of the same names.
 
 Every value is checked before anything loads (`check_args`): a bad one ends the program with one line on
-stderr that says what to give instead, `error: --max-tokens must be at least 1 (got 0)`, and exit code 2.
+stderr that says what to give instead, `error: --max-tokens must be at least 1 (got 0)`, and exit code 2. A
+number's smallest value is declared with its flag, `type=at_least(1)`, wherever the flag is added.
 compare.py, step 08's server and the benchmark scripts use the same checks and the same `Parser`.
 
 Parsing and checking import no torch, transformers or engine: those take seconds to load, so this module imports
