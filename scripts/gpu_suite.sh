@@ -26,14 +26,15 @@ parity() {
   echo "== greedy parity with HF generate() on CUDA: every step's dry run (tiny models of each architecture, fp32),"
   echo "   with the switches it offers: Triton's attention, a budget of 5 tokens (prompts in chunks), batch invariance"
   {
-    local step flags offers
+    local step flags help
+    offers() { grep -qE "^ +$1[ ,]" <<<"$help"; }  # the flag is one of the step's options in its --help
     for step in "${STEPS[@]}"; do
-      offers="$(python "$step/run.py" --help)"
+      help="$(python "$step/run.py" --help)"
       flags=()
-      grep -q -- "--attn" <<<"$offers" && flags+=(--attn triton)
-      grep -q -- "--max-num-batched-tokens" <<<"$offers" && flags+=(--max-num-batched-tokens 5)
+      offers --attn && flags+=(--attn triton)
+      offers --max-num-batched-tokens && flags+=(--max-num-batched-tokens 5)
       python "$step/run.py" --dry-run --device cuda "${flags[@]}"
-      if grep -q -- "--batch-invariant" <<<"$offers"; then
+      if offers --batch-invariant; then
         python "$step/run.py" --dry-run --device cuda "${flags[@]}" --batch-invariant
       fi
     done
