@@ -20,7 +20,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.cli import CommandLineError, Parser, check_args, fail, parse_names, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_names, parse_sizes
 from common.config import EMBEDDED_MODEL
 from common.steps import STEP_NAMES, engine_class
 from step06_paged_attention.run import ATTENTION_BACKENDS
@@ -53,13 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--steps", default=",".join(STEP_NAMES), help="comma-separated step names")
     p.add_argument("--batch-sizes", default="1,4,8")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prompt-len", type=at_least(1), default=32)
+    p.add_argument("--max-tokens", type=at_least(1), default=128)
+    p.add_argument("--repeats", type=at_least(1), default=1)
+    p.add_argument("--block-size", type=at_least(1), default=16)
     p.add_argument("--attn", choices=ATTENTION_BACKENDS, default="auto", help="step06's attention backend")
     p.add_argument("--no-hf", action="store_true")
-    p.add_argument("--hf-static-max-batch", type=int, default=0, metavar="N",
+    p.add_argument("--hf-static-max-batch", type=at_least(0), default=0, metavar="N",
                    help="also run HF generate() with a static cache (torch.compile'd on CUDA) up to batch N; "
                         "each new batch size compiles again, for a minute or so")
     p.add_argument("--max-batch", action="append", default=[], metavar="STEP=N",

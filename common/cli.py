@@ -8,7 +8,8 @@
 A step with its own switches passes `add_arguments`; its engine's `config_class` has fields of the same names.
 
 Every value is checked before anything loads (`check_args`): a bad one ends the program with one line on
-stderr that says what to give instead, `error: --max-tokens must be at least 1 (got 0)`, and exit code 2.
+stderr that says what to give instead, `error: --max-tokens must be at least 1 (got 0)`, and exit code 2. A
+number's smallest value is declared with its flag, `type=at_least(1)`, wherever the flag is added.
 compare.py, step 08's server and the benchmark scripts use the same checks and the same `Parser`.
 
 Parsing and checking import no torch, transformers or engine: those take seconds to load, so this module imports
@@ -23,7 +24,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -78,15 +79,27 @@ def fail(err: Exception) -> int:
     return 2
 
 
-# The smallest value of each numeric flag, by its name on the parsed namespace. `check_args` looks only at the
-# flags a parser has, and skips one left at None: not given, so the program picks a default later. Two belong to
-# later steps (09's token budget, 12's graph batch): one table lets every program (a step's run.py, the server,
-# compare.py) check every flag it was given in one place, before a model loads.
-MINIMUMS: dict[str, int] = {
-    "max_tokens": 1, "prompt_len": 1, "repeats": 1, "max_num_seqs": 1, "max_model_len": 1, "block_size": 1,
-    "num_blocks": 1, "max_graph_batch": 1, "max_num_batched_tokens": 1, "temperature": 0, "hf_static_max_batch": 0,
-    "tensor_parallel_size": 1, "data_parallel_size": 1, "profile": 1,
-}
+@dataclass(frozen=True)
+class BelowMinimum:
+    """A number given under its flag's minimum, kept as given for `check_args` to refuse with the other values:
+    argparse's own refusal would print the usage block, and a caller (a test, the exercise runner) could not
+    catch it as a CommandLineError."""
+
+    value: float
+    minimum: int
+
+
+def at_least(minimum: int, number: Callable[[str], float] = int) -> Callable[[str], float | BelowMinimum]:
+    """argparse's `type=` for a number of at least `minimum`, declared with its flag: `type=at_least(1)`."""
+
+    def parse(text: str) -> float | BelowMinimum:
+        value = number(text)
+        # `not value >= minimum` rather than `value < minimum`: it also refuses nan, which compares false to anything.
+        return BelowMinimum(value, minimum) if not value >= minimum else value
+
+    parse.__name__ = number.__name__  # argparse's "invalid int value: 'x'" names it
+    return parse
+
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # the names EngineConfig.resolved_dtype accepts
 
@@ -142,13 +155,13 @@ def check_device(device: str) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Check the flags the command lines share (MINIMUMS, --device, --dtype, --batch-sizes, ...) on whichever
-    parser made `args`, before anything loads; raises CommandLineError for the first bad value. A program checks
-    its own other flags (compare.py's --steps) with the helpers above."""
+    """Check the flags the command lines share (a number under its flag's `at_least`, --device, --dtype,
+    --batch-sizes, ...) on whichever parser made `args`, before anything loads; raises CommandLineError for the
+    first bad value. A program checks its own other flags (compare.py's --steps) with the helpers above."""
     given = vars(args)
-    for name, minimum in MINIMUMS.items():
-        if name in given:
-            check_at_least("--" + name.replace("_", "-"), given[name], minimum)
+    for name, value in given.items():
+        if isinstance(value, BelowMinimum):
+            check_at_least("--" + name.replace("_", "-"), value.value, value.minimum)
     if "device" in given:
         check_device(args.device)
     if "dtype" in given and args.dtype not in DTYPES:
@@ -173,16 +186,17 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--model", default=EMBEDDED_MODEL, help=f"one of: {model_names_help()}")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps, or auto (default: cuda if there is one)")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--max-tokens", type=int, default=None,
+    p.add_argument("--max-tokens", type=at_least(1), default=None,
                    help="new tokens per request (default: run 48, bench 128, dry run 12)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy, and is checked against HF")
+    p.add_argument("--temperature", type=at_least(0, float), default=0.0,
+                   help="0 (default) is greedy, and is checked against HF")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and for sampling")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--max-num-seqs", type=at_least(1), default=256, help="most requests running at once")
+    p.add_argument("--max-model-len", type=at_least(1), default=None, help="context limit (default: the model's)")
     p.add_argument("--prompts-file", type=Path, help="one prompt per line (write \\n for a newline), chat-templated")
     p.add_argument("--output-json", type=Path, help="write [{prompt, token_ids, text, finish_reason}] here")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with HF generate()")
-    p.add_argument("--profile", type=int, nargs="?", const=8, default=None, metavar="STEPS",
+    p.add_argument("--profile", type=at_least(1), nargs="?", const=8, default=None, metavar="STEPS",
                    help="profile STEPS engine steps (default 8) after 2 to warm up: a trace under runs/profile/ "
                         "for https://ui.perfetto.dev, and where each step's time went, phase by phase (step 05)")
     mode = p.add_mutually_exclusive_group()
@@ -190,10 +204,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     mode.add_argument("--bench", action="store_true", help="throughput against HF generate(); writes JSON evidence")
     bench = p.add_argument_group("benchmark")
     bench.add_argument("--batch-sizes", default="1,4,8", help="comma-separated batch sizes (default 1,4,8)")
-    bench.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request (default 32)")
+    bench.add_argument("--prompt-len", type=at_least(1), default=32, help="prompt tokens per request (default 32)")
     bench.add_argument("--workload", choices=["fixed", "nanovllm"], default="fixed",
                        help="fixed: batch x prompt-len x max-tokens; nanovllm: 256 seqs, lengths in [100, 1024]")
-    bench.add_argument("--repeats", type=int, default=1, help="runs per point; the median is kept")
+    bench.add_argument("--repeats", type=at_least(1), default=1, help="runs per point; the median is kept")
     bench.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
     bench.add_argument("--bench-output", type=Path,
                        help="evidence file (default runs/<step>/bench-<device>-<model>.json, numbered if taken)")
@@ -239,6 +253,15 @@ def read_prompts(path: Path | None) -> list[str]:
     return prompts
 
 
+def write_completions(path: Path, prompts: list[str], completions: list[Completion]) -> None:
+    """--output-json: one row per prompt, in prompt order, the same rows from every step's run."""
+    from common.bench import write_json  # loads torch: only once a run has finished
+
+    rows = [{"prompt": p, "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason.value}
+            for p, c in zip(prompts, completions, strict=True)]
+    write_json(path, rows)
+
+
 def report_parity(engine: Engine, prompt_ids: list[list[int]], completions: list[Completion], max_tokens: int) -> bool:
     from common.checks import check_against_reference  # loads transformers: only once a run has started
 
@@ -254,7 +277,7 @@ def report_parity(engine: Engine, prompt_ids: list[list[int]], completions: list
 
 def run_prompts(engine_class: type[Engine], args: argparse.Namespace, step_name: str) -> int:
     """The default run: generate for each prompt, print it, and check it against HF generate()."""
-    from common.bench import default_output, write_json  # loads torch: only once the command line is accepted
+    from common.bench import default_output  # loads torch: only once the command line is accepted
     from common.sampling import SamplingParams
 
     prompts = read_prompts(args.prompts_file)
@@ -281,11 +304,7 @@ def run_prompts(engine_class: type[Engine], args: argparse.Namespace, step_name:
     if args.profile:
         print(f"\n[profile] {format_report(report)}\n(the tok/s above include the profiler's own cost)")
     if args.output_json:
-        rows = [
-            {"prompt": p, "token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason.value}
-            for p, c in zip(prompts, completions)
-        ]
-        write_json(args.output_json, rows)
+        write_completions(args.output_json, prompts, completions)
     if args.temperature > 0 or args.no_check:
         print("parity check not run (sampling, or --no-check)")
         return 0

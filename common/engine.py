@@ -64,6 +64,9 @@ class EngineConfig:
 class Engine(ABC):
     config_class: type[EngineConfig] = EngineConfig
     request_class: type[Request] = Request  # a step that keeps more about a request names its subclass here
+    # What step 04 needs to know before it splits an engine over processes; the step that changes one says so.
+    splits_over_ranks = False  # its KV pool is sized once, the same on every rank: each rank holds its own heads
+    captures_cuda_graphs = False  # gloo's collectives (host-side) cannot be captured into a graph
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.config = config
@@ -79,6 +82,12 @@ class Engine(ABC):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._ids = itertools.count()
+
+    @classmethod
+    def skips_all_reduces(cls, config: EngineConfig) -> bool:
+        """Whether the engine, so configured on a GPU, runs kernels that read a layer's projections whole, past
+        the all-reduces tensor parallelism adds (step 04 refuses to split it then)."""
+        return False
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:

@@ -1,13 +1,17 @@
-"""The one list of the tutorial's engines, read by the tour, the cross-step comparison and the server.
+"""The one list of the tutorial's engines and their own flags, read by the tour, the cross-step comparison,
+step 04, the server, the exercises and the GPU evidence script.
 
 Adding a step is its folder plus one line here. Each engine is named as "module:Class" and imported only
 when asked for, so listing the steps loads none of them, nor torch (a command line checks its values and
 answers --help before anything heavy loads; and a step whose optional kernels are missing does not stop the
-others from being listed).
+others from being listed). A step's flags come from its run.py's `add_arguments`, which imports no torch.
+
+    python -m common.steps    # the step names, one a line (scripts/gpu_suite.sh reads them)
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,6 +29,12 @@ class Step:
     def engine_class(self) -> type[Engine]:
         module, _, cls = self.engine_path.partition(":")
         return getattr(importlib.import_module(module), cls)
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add the step's own flags (its run.py's `add_arguments`; step 01 has none) to `parser`."""
+        add = getattr(importlib.import_module(f"{self.name}.run"), "add_arguments", None)
+        if add is not None:
+            add(parser)
 
 
 # In step order. Each engine subclasses an earlier one: 02 starts afresh from common's Engine (01 is the serial
@@ -67,3 +77,7 @@ def find_step(name: str) -> Step:
 
 def engine_class(name: str) -> type[Engine]:
     return find_step(name).engine_class()
+
+
+if __name__ == "__main__":
+    print("\n".join(STEP_NAMES))

@@ -89,7 +89,7 @@ def run_tests(exercise: Exercise, function: Callable[..., Any]) -> CollectFailur
 def run_dry_run(exercise: Exercise, function: Callable[..., Any]) -> bool:
     """The step's `run.py --dry-run` (tiny models of each architecture against HF), with `function` in place."""
     from common.cli import main
-    from common.steps import STEP_NAMES
+    from common.steps import STEP_NAMES, find_step
 
     print(f"\n--- {exercise.step}/run.py --dry-run, with your code ---")
     flags = ["--dry-run", "--max-tokens", "6", *DRY_RUN_SWITCHES.get(exercise.step, [])]
@@ -99,8 +99,7 @@ def run_dry_run(exercise: Exercise, function: Callable[..., Any]) -> bool:
                 own_flags = ["--dry-run"] if exercise.step in FIXED_DRY_RUNS else flags
                 return importlib.import_module(f"{exercise.step}.run").main(own_flags) == 0
             # The step's own switches too: its exercise may sit behind one (DRY_RUN_SWITCHES).
-            add_arguments = getattr(importlib.import_module(f"{exercise.step}.run"), "add_arguments", None)
-            return main(exercise.step, None, flags, add_arguments=add_arguments) == 0
+            return main(exercise.step, None, flags, add_arguments=find_step(exercise.step).add_arguments) == 0
         except Exception as err:  # the learner's code may raise anything; say what, and that it failed
             print(f"your code raised {type(err).__name__}: {err}")
             return False

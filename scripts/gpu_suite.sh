@@ -19,17 +19,29 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$G/g
 # The workload of every decode table: Qwen2.5-7B's shapes with random weights, bf16, 32-token prompts, 128 new tokens.
 SEVEN_B=(--device cuda --model random:qwen2.5-7b)
 
+# The steps of the chain, in order, as common/steps.py lists them.
+STEPS=($(python -m common.steps))
+
 parity() {
-  echo "== greedy parity with HF generate() on CUDA: every step's dry run (tiny models of each architecture, fp32)"
+  echo "== greedy parity with HF generate() on CUDA: every step's dry run (tiny models of each architecture, fp32),"
+  echo "   with the switches it offers: Triton's attention, a budget of 5 tokens (prompts in chunks), batch invariance"
   {
-    for step in step01_serial step02_paged_kv step03_vectorized_gather step07_preemption step10_prefix_caching; do
-      python "$step/run.py" --dry-run --device cuda
+    local step flags help
+    offers() { grep -qE "^ +$1[ ,]" <<<"$help"; }  # the flag is one of the step's options in its --help
+    for step in "${STEPS[@]}"; do
+      help="$(python "$step/run.py" --help)"
+      flags=()
+      offers --attn && flags+=(--attn triton)
+      offers --max-num-batched-tokens && flags+=(--max-num-batched-tokens 5)
+      python "$step/run.py" --dry-run --device cuda "${flags[@]}"
+      if offers --batch-invariant; then
+        python "$step/run.py" --dry-run --device cuda "${flags[@]}" --batch-invariant
+      fi
     done
-    for attn in torch triton; do python step06_paged_attention/run.py --dry-run --device cuda --attn "$attn"; done
-    for step in step09_chunked_prefill step12_cuda_graph step13_fused_decode step14_overlap_scheduling; do
-      python "$step/run.py" --dry-run --device cuda --attn triton --max-num-batched-tokens 5
-    done
+    python step06_paged_attention/run.py --dry-run --device cuda --attn torch  # step 06's other backend
     python step08_serve/run.py --dry-run --device cuda
+    # Step 04 on one GPU: its ranks share it over gloo, so with an engine that captures no graphs.
+    python step04_multi_gpu/run.py --dry-run --device cuda --distributed-backend gloo --step step11_speculative_decoding
   } 2>&1 | tee "$G/dry-runs.txt"
 }
 
@@ -42,7 +54,7 @@ decode_small() {
 decode_large() {
   echo "== the batched steps and HF generate() at batch 32 and 64 (step 01 is serial, step 02 loops in Python: skipped)"
   python compare.py "${SEVEN_B[@]}" --batch-sizes 32,64 --max-tokens 128 --repeats 2 \
-    --steps step03_vectorized_gather,step06_paged_attention,step07_preemption,step09_chunked_prefill,step10_prefix_caching,step12_cuda_graph,step13_fused_decode,step14_overlap_scheduling \
+    --steps "$(printf '%s\n' "${STEPS[@]}" | grep -v -e step01_serial -e step02_paged_kv | paste -sd,)" \
     --output "$G/decode-batch32-64.json"
 }
 

@@ -9,13 +9,14 @@ Examples:
 
 import argparse
 
-from common.cli import main
+from common.cli import at_least, main
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     paged = parser.add_argument_group("paged KV cache")
-    paged.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default 16)")
-    paged.add_argument("--num-blocks", type=int, default=None, help="KV budget in blocks (default: from memory)")
+    paged.add_argument("--block-size", type=at_least(1), default=16, help="token slots per KV block (default 16)")
+    paged.add_argument("--num-blocks", type=at_least(1), default=None,
+                       help="KV budget in blocks (default: from memory)")
     paged.add_argument("--kv-memory-gb", type=float, default=None,
                        help="KV budget in GB when --num-blocks is not given (default: 90%% of free GPU memory, 1 GB on CPU)")
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from common.bench import Workload, default_output, evidence_header, fixed_workload, nanovllm_workload, write_json
-from common.cli import CommandLineError, Parser, check_args, fail, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.config import EMBEDDED_MODEL
 from common.sampling import SamplingParams
 from common.steps import STEP_NAMES, find_step
@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,2", help="replica counts to compare, 1 first (default 1,2)")
     p.add_argument("--workload", choices=["nanovllm", "fixed"], default="nanovllm")
     p.add_argument("--batch", type=int, default=16, help="--workload fixed: requests (default 16)")
-    p.add_argument("--max-tokens", type=int, default=64, help="--workload fixed: new tokens each (default 64)")
+    p.add_argument("--max-tokens", type=at_least(1), default=64, help="--workload fixed: new tokens each (default 64)")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     try:

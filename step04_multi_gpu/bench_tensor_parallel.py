@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from common.bench import default_output, evidence_header, fixed_workload, write_json
-from common.cli import CommandLineError, Parser, check_args, fail, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.config import EMBEDDED_MODEL
 from common.engine import Engine
 from common.sampling import SamplingParams
@@ -93,11 +93,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=EMBEDDED_MODEL)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--step", default=STEP_NAMES[-1], choices=STEP_NAMES[STEP_NAMES.index("step06_paged_attention"):])
+    p.add_argument("--step", default=STEP_NAMES[-1], choices=STEP_NAMES)
     p.add_argument("--sizes", default="1,3", help="tensor-parallel sizes to compare, 1 first (default 1,3)")
     p.add_argument("--batch-sizes", default="1,8")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=at_least(1), default=32)
+    p.add_argument("--max-tokens", type=at_least(1), default=64)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     try:

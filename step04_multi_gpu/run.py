@@ -6,6 +6,7 @@ Examples:
     .venv/bin/python step04_multi_gpu/run.py --dry-run                 # tiny models over 2 or 3 CPU processes, checked
     .venv/bin/python step04_multi_gpu/run.py                           # the embedded model (3 KV heads) over 3 processes
     .venv/bin/python step04_multi_gpu/run.py --tensor-parallel-size 2  # refused: 2 does not divide 3 KV heads
+    .venv/bin/python step04_multi_gpu/run.py --batch-invariant --output-json out.json  # any flag of the --step run
     torchrun --nproc-per-node 2 step04_multi_gpu/run.py --device cuda --model random:qwen2.5-7b --no-check
 """
 
@@ -17,25 +18,48 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
-from common.cli import CommandLineError, build_parser, check_args, fail, read_prompts, refuse_flag
+from common.cli import (
+    CommandLineError,
+    Parser,
+    at_least,
+    build_parser,
+    check_args,
+    fail,
+    read_prompts,
+    refuse_flag,
+    write_completions,
+)
 from common.config import TINY_ARCHES
 from common.prompts import DEMO_PROMPTS
-from common.steps import STEP_NAMES
-from step14_overlap_scheduling.run import add_arguments as add_step14_arguments
+from common.steps import STEP_NAMES, find_step
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_step14_arguments(parser)
+def chosen_step(argv: Sequence[str] | None) -> str:
+    """--step alone, read first: the flags the rest of the command line may hold are that step's."""
+    first = Parser(add_help=False)
+    first.add_argument("--step", choices=STEP_NAMES, default=STEP_NAMES[-1])
+    return first.parse_known_args(argv)[0].step
+
+
+def build_step_parser(step: str) -> argparse.ArgumentParser:
+    """The shared command line, the flags of `step` (the engine every rank runs) and the ranks' own."""
+    parser = build_parser(__doc__)
+    find_step(step).add_arguments(parser)
     ranks = parser.add_argument_group("multi-GPU")
-    ranks.add_argument("--tensor-parallel-size", type=int, default=None,
+    ranks.add_argument("--tensor-parallel-size", type=at_least(1), default=None,
                        help="processes the model is split over (default: the smallest size above 1 that divides its "
                             "heads; under torchrun, its number of processes)")
-    ranks.add_argument("--step", default=STEP_NAMES[-1], choices=STEP_NAMES[STEP_NAMES.index("step06_paged_attention"):],
-                       help="the engine every rank runs (default: the final one)")
+    ranks.add_argument("--step", default=STEP_NAMES[-1], choices=STEP_NAMES,
+                       help="the engine every rank runs, steps 06 and later (default: the final one); its own flags "
+                            "are offered with it (--step step12_cuda_graph --help lists them)")
     ranks.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                        help="the model's collectives: nccl between GPUs (default there), gloo on CPUs; gloo on a GPU "
                             "lets ranks share one GPU, to check correctness, with the eager steps 06 to 11")
+    refuse_flag(parser, "--profile", why="the ranks run in processes of their own; profile one engine with its "
+                "step's run.py --profile (step 05)")
+    return parser
 
 
 def tensor_parallel_size(args: argparse.Namespace, model_config: object) -> int:
@@ -51,13 +75,13 @@ def tensor_parallel_size(args: argparse.Namespace, model_config: object) -> int:
 
 
 def generate_and_check(args: argparse.Namespace, config: object, texts: list[str], max_tokens: int,
-                       arrive_every: int, label: str, show: bool = False) -> bool:
-    """Run the chat prompts over the ranks, request i joining after i x `arrive_every` steps; check the tokens
-    against one process and HF, and that every rank emitted the same and holds nothing at the end."""
+                       arrive_every: int, label: str, show: bool = False, output_json: Path | None = None) -> bool:
+    """Run the chat prompts over the ranks, request i joining after i x `arrive_every` steps (their rows written
+    to `output_json`, if given); check the tokens against one process and HF, and that every rank emitted the
+    same and holds nothing at the end."""
     from common.checks import check_model_against_reference, staggered_generate
     from common.loading import load_model
     from common.sampling import SamplingParams
-    from common.steps import find_step
     from step04_multi_gpu.tensor_parallel import TensorParallelEngine
 
     whole = load_model(config.model, config.resolved_device(), config.resolved_dtype(), config.seed)
@@ -75,6 +99,8 @@ def generate_and_check(args: argparse.Namespace, config: object, texts: list[str
         eos = engine.eos_token_ids
     for text, completion in zip(texts, completions, strict=True) if show else ():
         print(f"\n>>> {text}\n{completion.text}\n[{len(completion.token_ids)} tokens]")
+    if output_json is not None:
+        write_completions(output_json, texts, completions)
     total = sum(len(c.token_ids) for c in completions)
     print(f"{label}: {len(prompts)} requests, {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tok/s)")
     in_step = len({r["emitted"] for r in reports}) == 1
@@ -98,11 +124,7 @@ def generate_and_check(args: argparse.Namespace, config: object, texts: list[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser(__doc__)
-    add_arguments(parser)
-    refuse_flag(parser, "--profile", why="the ranks run in processes of their own; profile one engine with its "
-                "step's run.py --profile (step 05)")
-    args = parser.parse_args(argv)
+    args = build_step_parser(chosen_step(argv)).parse_args(argv)
     try:
         check_args(args)
         if args.bench:
@@ -111,7 +133,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandLineError as err:
         return fail(err)
     from common.loading import ModelLoadError
-    from common.steps import find_step
     from step04_multi_gpu.sharding import TensorParallelConfigError
     from step04_multi_gpu.tensor_parallel import Launch, RankDiedError, follow_rank_zero
 
@@ -139,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   + (f"; not run: {', '.join(skipped)}" if skipped else ""))
             return 0 if ok and checked else 1
         ok = generate_and_check(args, config, read_prompts(args.prompts_file), args.max_tokens or 48, 0,
-                                f"{config.model}", show=True)
+                                f"{config.model}", show=True, output_json=args.output_json)
         return 0 if ok else 1
     except (ModelLoadError, TensorParallelConfigError, ValueError) as err:
         return fail(err)

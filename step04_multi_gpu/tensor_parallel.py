@@ -25,7 +25,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -37,13 +37,9 @@ from common.engine import Engine, EngineConfig
 from common.loading import LoadedModel, load_model
 from common.request import RequestOutput
 from common.sampling import SamplingParams
-from common.steps import STEP_NAMES, find_step
+from common.steps import STEPS, Step, find_step
 from step04_multi_gpu.sharding import TensorParallelConfigError, check_divides, shard_model
 
-# Steps whose engines can be split: from step 06 on, each holds its KV in a pool sized once for all ranks.
-SHARDABLE_STEPS = STEP_NAMES[STEP_NAMES.index("step06_paged_attention"):]
-FUSED_STEPS = SHARDABLE_STEPS[SHARDABLE_STEPS.index("step13_fused_decode"):]
-EAGER_ON_A_GPU = SHARDABLE_STEPS[:SHARDABLE_STEPS.index("step12_cuda_graph")]  # no graphs to capture gloo in
 TIMEOUT = timedelta(seconds=120)  # a collective that waits longer than this is a rank that died
 
 
@@ -91,6 +87,29 @@ def join_ranks(launch: Launch) -> tuple[torch.device, dist.ProcessGroup]:
                             timeout=TIMEOUT, device_id=device if backend == "nccl" else None)
     control = dist.new_group(backend="gloo", timeout=TIMEOUT) if backend == "nccl" else dist.group.WORLD
     return device, control
+
+
+def steps_where(can: Callable[[type[Engine]], bool]) -> str:
+    """The names of the steps whose engines `can`, for a refusal to offer (it imports every engine)."""
+    return ", ".join(step.name for step in STEPS if can(step.engine_class()))
+
+
+def check_splits(step: Step, config: EngineConfig, backend: str) -> None:
+    """Refuse, in one line and before any process starts, a step's engine that cannot be split as configured:
+    what it can is declared on the engine (splits_over_ranks, captures_cuda_graphs, skips_all_reduces)."""
+    engine_class = step.engine_class()
+    on_a_gpu = config.resolved_device().type == "cuda"
+    if not engine_class.splits_over_ranks:
+        raise TensorParallelConfigError(
+            f"--tensor-parallel-size splits the engines of steps 06 and later, not {step.name}: "
+            f"choose one of {steps_where(lambda e: e.splits_over_ranks)}")
+    if backend == "gloo" and on_a_gpu and engine_class.captures_cuda_graphs:
+        raise TensorParallelConfigError(
+            "gloo's collectives cannot be captured in CUDA graphs: with --distributed-backend gloo on a GPU, "
+            f"choose --step among {steps_where(lambda e: e.splits_over_ranks and not e.captures_cuda_graphs)}")
+    if on_a_gpu and engine_class.skips_all_reduces(config):
+        raise TensorParallelConfigError("step 13's fused kernels read the projections around the model's layers "
+                                        "and would skip their all-reduces: not split yet; add --no-fused-ops")
 
 
 def sharded_engine_class(engine_class: type[Engine], control: dist.ProcessGroup) -> type[Engine]:
@@ -225,18 +244,9 @@ class TensorParallelEngine:
 
     def __init__(self, step_name: str, config: EngineConfig, tensor_parallel_size: int,
                  backend: str | None = None) -> None:
-        if step_name not in SHARDABLE_STEPS:
-            raise TensorParallelConfigError(f"--tensor-parallel-size splits the engines of steps 06 and later, "
-                                            f"not {step_name}: choose one of {', '.join(SHARDABLE_STEPS)}")
         device_type = config.resolved_device().type
         backend = backend or ("nccl" if device_type == "cuda" else "gloo")
-        if backend == "gloo" and device_type == "cuda" and step_name not in EAGER_ON_A_GPU:
-            raise TensorParallelConfigError(f"gloo's collectives cannot be captured in CUDA graphs: with "
-                                            f"--distributed-backend gloo on a GPU, choose --step among "
-                                            f"{', '.join(EAGER_ON_A_GPU)}")
-        if (device_type == "cuda" and step_name in FUSED_STEPS and getattr(config, "fused_ops", None) is not False):
-            raise TensorParallelConfigError("step 13's fused kernels read the projections around the model's layers "
-                                            "and would skip their all-reduces: not split yet; add --no-fused-ops")
+        check_splits(find_step(step_name), config, backend)
         torchrun = "RANK" in os.environ
         world = int(os.environ["WORLD_SIZE"]) if torchrun else tensor_parallel_size
         check_world(world, device_type, backend)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_names
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_names
 from common.config import EMBEDDED_MODEL
 from common.steps import STEP_NAMES
 
@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--steps", default=",".join(VARIANTS),
                    help=f"comma-separated, of {','.join(VARIANTS)} (default: all)")
-    p.add_argument("--batch", type=int, default=8, help="requests decoding together (default 8)")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--profile-steps", type=int, default=8, help="engine steps profiled per row (default 8)")
+    p.add_argument("--batch", type=at_least(1), default=8, help="requests decoding together (default 8)")
+    p.add_argument("--prompt-len", type=at_least(1), default=32)
+    p.add_argument("--profile-steps", type=at_least(1), default=8, help="engine steps profiled per row (default 8)")
     p.add_argument("--dry-run", action="store_true", help="steps 01, 06 and 09 on tiny-llama: traces checked")
     p.add_argument("--output", type=Path, help="evidence file (default runs/profile/steps-<device>-<model>.json)")
     p.add_argument("--no-plot", action="store_true", help="no bars drawn beside the evidence file")
@@ -138,9 +138,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_args(args)
         names = list(DRY_RUN_STEPS) if args.dry_run else parse_names("--steps", args.steps, VARIANTS)
-        for flag, value in (("--batch", args.batch), ("--prompt-len", args.prompt_len),
-                            ("--profile-steps", args.profile_steps)):
-            check_at_least(flag, value, 1)
     except CommandLineError as err:
         return fail(err)
     import torch

@@ -24,7 +24,7 @@ from common.bench import (
     run_engine,
     write_evidence,
 )
-from common.cli import Parser, check_args, fail, parse_sizes
+from common.cli import Parser, at_least, check_args, fail, parse_sizes
 from common.engine import Engine
 from common.loading import EMBEDDED_MODEL, ModelLoadError, load_model
 from step03_vectorized_gather.engine import VectorizedGatherEngine
@@ -40,9 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn", choices=ATTENTION_BACKENDS, default="auto", help="step 06's attention backend")
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--prompt-lens", default="32,1024", help="comma-separated prompt lengths, one workload each")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--max-tokens", type=at_least(1), default=128)
+    p.add_argument("--block-size", type=at_least(1), default=16)
+    p.add_argument("--repeats", type=at_least(1), default=1)
     p.add_argument("--output", help="evidence file (default runs/step06_paged_attention/prefill-<device>-<model>.json)")
     return p
 

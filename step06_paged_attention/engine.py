@@ -54,6 +54,7 @@ class PagedAttentionForward(ForwardContext):
 
 class PagedAttentionEngine(PagedEngine):
     config_class = PagedAttentionEngineConfig
+    splits_over_ranks = True  # step 04: its pool is one budget in blocks, taken once for every rank
 
     def __init__(self, loaded: LoadedModel, config: PagedAttentionEngineConfig) -> None:
         super().__init__(loaded, config)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from common.bench import default_output, evidence_header, write_json
-from common.cli import CommandLineError, Parser, check_args, fail, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.config import load_bundled_config
 from step06_paged_attention import triton_kernels
 from step06_paged_attention.backends import TritonBackend
@@ -154,13 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="qwen2.5-7b", help="the head layout to use (a bundled config name)")
     p.add_argument("--batches", default="1,8,16,32,64")
     p.add_argument("--contexts", default="128,512,2048,8192")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=at_least(1), default=16)
     p.add_argument("--other-tiles", default="", help="also time these tile sizes (e.g. 32,128) at each point's "
                                                       "best split count")
     p.add_argument("--launch-configs", default="", help="also time these WARPSxSTAGES launch configurations "
                                                          "(e.g. 2x2,8x3) at each point's best split count")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--repeats", type=int, default=10, help=f"graph replays ({CALLS_PER_GRAPH} calls each) per figure")
+    p.add_argument("--repeats", type=at_least(1), default=10,
+                   help=f"graph replays ({CALLS_PER_GRAPH} calls each) per figure")
     p.add_argument("--output", type=Path,
                    help="evidence file (default runs/step06_paged_attention/kernel-bench-cuda.json, numbered if taken)")
     args, _ = p.parse_known_args(argv)

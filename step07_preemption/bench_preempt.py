@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from common.bench import Workload, default_output, evidence_header, nanovllm_workload, run_engine, write_json
-from common.cli import CommandLineError, Parser, check_args, check_at_least, fail
+from common.cli import CommandLineError, Parser, at_least, check_args, fail
 from common.loading import EMBEDDED_MODEL, load_model
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step07_preemption.swap import Swapper
@@ -36,20 +36,17 @@ def main() -> int:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=EMBEDDED_MODEL)
     p.add_argument("--device", default="auto")
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--min-len", type=int, default=100)
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--requests", type=at_least(1), default=64)
+    p.add_argument("--min-len", type=at_least(1), default=100)
+    p.add_argument("--max-len", type=at_least(1), default=512)
+    p.add_argument("--block-size", type=at_least(1), default=16)
     p.add_argument("--tight-fraction", type=float, default=0.25)
-    p.add_argument("--swap-blocks", type=int, default=64)
+    p.add_argument("--swap-blocks", type=at_least(1), default=64)
     p.add_argument("--output", type=Path, default=None,
                    help="evidence file (default runs/step07_preemption/preempt-<device>-<model>.json)")
     args = p.parse_args()
     try:  # before the model loads: a bad value is one line and exit code 2
         check_args(args)
-        for flag, value in (("--requests", args.requests), ("--min-len", args.min_len),
-                            ("--max-len", args.max_len), ("--swap-blocks", args.swap_blocks)):
-            check_at_least(flag, value, 1)
         if args.min_len > args.max_len:
             raise CommandLineError(f"--min-len must be at most --max-len (got {args.min_len} and {args.max_len})")
         if not 0 < args.tight_fraction <= 1:

@@ -34,7 +34,7 @@ import httpx
 from openai import AsyncOpenAI
 
 from common.bench import Workload, default_output, evidence_header, fixed_workload, percentile, run_engine, write_json
-from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.steps import engine_class
 from step08_serve.launcher import free_port
 from step08_serve.run import add_engine_arguments, build_engine, chosen_step
@@ -98,9 +98,9 @@ def wait_healthy(base_url: str, server: subprocess.Popen, timeout: float = 600) 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     bench = parser.add_argument_group("benchmark")
     bench.add_argument("--concurrency", default="1,2,4,8,16,32", help="clients at once, one run per value")
-    bench.add_argument("--requests-per-client", type=int, default=2)
-    bench.add_argument("--prompt-len", type=int, default=32)
-    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--requests-per-client", type=at_least(1), default=2)
+    bench.add_argument("--prompt-len", type=at_least(1), default=32)
+    bench.add_argument("--max-tokens", type=at_least(1), default=128)
     bench.add_argument("--no-direct", action="store_true", help="skip the bare-engine comparison")
     bench.add_argument("--output", type=Path, default=None,
                        help="evidence file (default runs/step08_serve/serve-<device>-<model>.json)")
@@ -144,7 +144,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # before the server starts: a bad value is one line and exit code 2
         check_args(args)
         levels = parse_sizes("--concurrency", args.concurrency)
-        check_at_least("--requests-per-client", args.requests_per_client, 1)
     except CommandLineError as err:
         return fail(err)
     max_requests = max(levels) * args.requests_per_client

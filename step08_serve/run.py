@@ -15,26 +15,19 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from common.cli import CommandLineError, Parser, check_args, fail
+from common.cli import CommandLineError, Parser, at_least, check_args, fail
 from common.config import EMBEDDED_MODEL, model_names_help
-from common.steps import STEP_NAMES, engine_class
+from common.steps import STEP_NAMES, engine_class, find_step
 from step08_serve.launcher import DEFAULT_STEP, default_step, running_server
 
 if TYPE_CHECKING:  # for the annotations only: the command line is checked before the engine and server load
     from fastapi import FastAPI
 
     from common.engine import Engine
-
-
-def step_arguments(step: str) -> Callable[[argparse.ArgumentParser], None] | None:
-    """The function that adds a step's own flags: its run.py's `add_arguments` (step 01 has none)."""
-    module = importlib.import_module(f"{step}.run")
-    return getattr(module, "add_arguments", None)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, step: str) -> None:
@@ -49,16 +42,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, step: str) -> None:
                         help="cpu, cuda, cuda:1, mps, or auto (default: cuda if there is one)")
     parser.add_argument("--dtype", default="auto",
                         help="float32, bfloat16, float16, or auto (fp32 on CPU, bf16 on CUDA)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=at_least(1), default=256, help="most requests running at once")
+    parser.add_argument("--max-model-len", type=at_least(1), default=None, help="context limit (default: the model's)")
     parser.add_argument("--seed", type=int, default=0, help="seed for random weights (tiny-*, random:*)")
-    add_step_arguments = step_arguments(step)
-    if add_step_arguments is not None:
-        add_step_arguments(parser)
+    find_step(step).add_arguments(parser)
     parallel = parser.add_argument_group("several devices (step 04)")
-    parallel.add_argument("--tensor-parallel-size", type=int, default=1,
+    parallel.add_argument("--tensor-parallel-size", type=at_least(1), default=1,
                           help="split the model over this many processes, one per GPU (steps 06 and later)")
-    parallel.add_argument("--data-parallel-size", type=int, default=1,
+    parallel.add_argument("--data-parallel-size", type=at_least(1), default=1,
                           help="this many whole engines, one per GPU, behind a router")
 
 

@@ -29,7 +29,7 @@ import httpx
 from openai import APIError, AsyncOpenAI
 
 from common.bench import default_output, evidence_header, percentile, write_json
-from common.cli import CommandLineError, Parser, check_args, check_at_least, fail
+from common.cli import CommandLineError, Parser, at_least, check_args, fail
 from common.loading import embedded_tokenizer
 from common.steps import engine_class
 from step08_serve.bench_serve import engine_argv, server_process
@@ -102,7 +102,7 @@ async def burst(base_url: str, model: str, texts: list[str], max_tokens: int) ->
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     bench = parser.add_argument_group("benchmark")
     bench.add_argument("--bursts", default="8x300", help="REQUESTSxTOKENS, comma-separated, one burst each")
-    bench.add_argument("--max-tokens", type=int, default=16, help="tokens each request generates")
+    bench.add_argument("--max-tokens", type=at_least(1), default=16, help="tokens each request generates")
     bench.add_argument("--output", type=Path, default=None)
 
 
@@ -114,7 +114,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_args(args)
-        check_at_least("--max-tokens", args.max_tokens, 1)
         bursts = parse_bursts(args.bursts)
     except CommandLineError as err:
         return fail(err)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from common.bench import default_output, evidence_header, percentile, write_json
-from common.cli import CommandLineError, Parser, check_args, fail, parse_names, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_names, parse_sizes
 from common.engine import Engine
 from common.loading import EMBEDDED_MODEL, LoadedModel, ModelLoadError, load_model
 from common.sampling import SamplingParams
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--step", default="step09_chunked_prefill", help=f"one of {','.join(STEP_NAMES[4:])}")
     p.add_argument("--attn", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=at_least(1), default=16)
     p.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="step 12 and later: mixed steps on static buffers (default: the step's own default)")
     p.add_argument("--budgets", default="none,16,64,256",

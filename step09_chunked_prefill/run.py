@@ -9,7 +9,7 @@ Examples:
 
 import argparse
 
-from common.cli import main, refuse_flag
+from common.cli import at_least, main, refuse_flag
 from step07_preemption.run import add_arguments as add_step07_arguments
 
 
@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chunked = parser.add_argument_group("chunked prefill")
     # The defaults are engine.py's CPU_TOKEN_BUDGET and GPU_STEP_FLOPS, written out: importing the engine loads
     # torch, which --help should not wait for (tests/test_cli_flags.py keeps them equal).
-    chunked.add_argument("--max-num-batched-tokens", type=int, default=None,
+    chunked.add_argument("--max-num-batched-tokens", type=at_least(1), default=None,
                          help="tokens one step may compute: every decoder's, then prefill chunks (default: "
                               "512 on a CPU; on a GPU about 8 TFLOP of the model's layers, 512 tokens of a 7B model)")
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from common.bench import default_output, evidence_header, write_json
-from common.cli import CommandLineError, Parser, check_args, fail
+from common.cli import CommandLineError, Parser, at_least, check_args, fail
 from common.engine import Engine
 from common.loading import EMBEDDED_MODEL, LoadedModel, ModelLoadError, load_model
 from common.sampling import SamplingParams
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--user-len", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=at_least(1), default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None)
     return p

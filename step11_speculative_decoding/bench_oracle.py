@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from common.bench import default_output, evidence_header, fixed_workload, write_json
-from common.cli import CommandLineError, Parser, check_args, fail, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.loading import ModelLoadError, load_model
 from common.sampling import SamplingParams
 from common.steps import STEP_NAMES, engine_class
@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--ks", default="2,4,8", help="proposals per decoder (--speculative-tokens values)")
     p.add_argument("--acceptances", default="0,0.5,0.7,0.9", help="the oracle's chance of a right token")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=at_least(1), default=32)
+    p.add_argument("--max-tokens", type=at_least(1), default=128)
     p.add_argument("--token-cost", type=float, default=None, help="--speculative-token-cost (default: the engine's)")
     p.add_argument("--step-cost", type=float, default=None,
                    help="--speculative-step-cost (default: the engine's); both costs 0: every step verifies, "

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from common.bench import default_output, evidence_header, write_json
-from common.cli import CommandLineError, Parser, check_args, fail, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.loading import EMBEDDED_MODEL, LoadedModel, ModelLoadError, load_model
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=EMBEDDED_MODEL)
     p.add_argument("--device", default="cpu")
     p.add_argument("--ks", default="2,4,8", help="--speculative-tokens values to compare with speculation off")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=at_least(1), default=128)
     p.add_argument("--workloads", default="grounded,chat")
     p.add_argument("--output", default=None)
     return p

@@ -41,6 +41,7 @@ class CudaGraphEngineConfig(SpeculativeEngineConfig):
 
 class CudaGraphEngine(SpeculativeEngine):
     config_class = CudaGraphEngineConfig
+    captures_cuda_graphs = True
     decode_inputs_class = StaticDecodeInputs  # the static buffers a decode graph reads
 
     def __init__(self, loaded: LoadedModel, config: CudaGraphEngineConfig) -> None:

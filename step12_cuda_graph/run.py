@@ -10,7 +10,7 @@ Examples:
 
 import argparse
 
-from common.cli import main
+from common.cli import at_least, main
 from step11_speculative_decoding.run import add_arguments as add_step11_arguments
 
 
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     graphs = parser.add_argument_group("CUDA graphs")
     graphs.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
                         help="replay decode steps as CUDA graphs (default; on CPU the same path runs eagerly)")
-    graphs.add_argument("--max-graph-batch", type=int, default=256,
+    graphs.add_argument("--max-graph-batch", type=at_least(1), default=256,
                         help="the largest decode batch with a graph; larger batches run eagerly (default 256)")
     graphs.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="replay mixed steps (decoders and prefill chunks) as graphs per token bucket (default: "

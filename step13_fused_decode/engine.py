@@ -91,6 +91,10 @@ class FusedDecodeEngine(CudaGraphEngine):
     fused_graphs_class: type[FusedDecodeGraphs] = FusedDecodeGraphs
     fused_verify_graphs_class: type[FusedVerifyGraphs] = FusedVerifyGraphs
 
+    @classmethod
+    def skips_all_reduces(cls, config: FusedDecodeEngineConfig) -> bool:
+        return config.fused_ops is not False  # packed projections are not split over ranks yet
+
     def __init__(self, loaded: LoadedModel, config: FusedDecodeEngineConfig) -> None:
         if config.fused_ops and not config.cuda_graph:
             raise ValueError("--fused-ops changes the graph decode path: drop --no-cuda-graph to use it")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 
 from common.bench import default_output, evidence_header, write_json
-from common.cli import CommandLineError, Parser, check_args, fail, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.config import ModelConfig, load_bundled_config
 from step06_paged_attention.kernel_bench import copy_bandwidth_gbs, timed_ms
 from step13_fused_decode.skinny_matmul import SkinnyConfig, skinny_linear
@@ -93,7 +93,7 @@ def main() -> int:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="qwen2.5-7b", help="a bundled model config: the shapes to time")
     p.add_argument("--rows", default="1,2,4,8,16")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=at_least(1), default=10)
     p.add_argument("--output", type=Path, default=None,
                    help="evidence file (default runs/step13_fused_decode/matmul-bench-cuda-<config>.json)")
     args = p.parse_args()

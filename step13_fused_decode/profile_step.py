@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from common.bench import default_output, evidence_header, write_json
-from common.cli import CommandLineError, Parser, check_at_least, fail, parse_names, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_names, parse_sizes
 from common.config import weight_params_per_decode_step
 from common.loading import LoadedModel, load_model
 from common.sampling import SamplingParams
@@ -113,18 +113,17 @@ def main() -> int:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:qwen2.5-7b")
     p.add_argument("--batches", default="1,8,64")
-    p.add_argument("--context", type=int, default=160, help="tokens each request holds during the step")
-    p.add_argument("--steps", type=int, default=20, help="replays timed, and eager steps profiled (a quarter)")
+    p.add_argument("--context", type=at_least(1), default=160, help="tokens each request holds during the step")
+    p.add_argument("--steps", type=at_least(1), default=20, help="replays timed, and eager steps profiled (a quarter)")
     p.add_argument("--variants", default=",".join(VARIANT_SWITCHES),
                    help=f"which variants to profile, of {','.join(VARIANT_SWITCHES)} (default: all)")
     p.add_argument("--output", type=Path, default=None,
                    help="evidence file (default runs/step13_fused_decode/profile-cuda-<model>.json)")
     args = p.parse_args()
     try:  # before the model loads: a bad value is one line and exit code 2
+        check_args(args)
         batches = parse_sizes("--batches", args.batches)
         variants = parse_names("--variants", args.variants, VARIANT_SWITCHES)
-        check_at_least("--context", args.context, 1)
-        check_at_least("--steps", args.steps, 1)
     except CommandLineError as err:
         return fail(err)
     if not torch.cuda.is_available():

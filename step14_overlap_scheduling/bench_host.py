@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from common.bench import default_output, evidence_header, write_json
-from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.loading import load_model
 from common.sampling import SamplingParams
 from step05_profiling.phases import ATTENTION_RANGE, PHASES, STEP_RANGE, PhaseTimer, instrument
@@ -58,15 +58,14 @@ def host_ms_per_step(batch: int, prompt_len: int, steps: int) -> dict[str, float
 def main() -> int:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="32,128,256")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prompt-len", type=at_least(1), default=512)
+    p.add_argument("--steps", type=at_least(1), default=10)
     p.add_argument("--output", type=Path, help="evidence file (default runs/step14_overlap_scheduling/"
                                                "host-per-step-cpu.json, numbered if taken)")
     args = p.parse_args()
     try:  # before the model loads: a bad value is one line and exit code 2
         check_args(args)
         batches = parse_sizes("--batches", args.batches)
-        check_at_least("--steps", args.steps, 1)
     except CommandLineError as err:
         return fail(err)
     torch.set_num_threads(1)  # the host's Python is single-threaded; keep the forward from borrowing cores

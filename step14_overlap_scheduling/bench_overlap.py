@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from common.bench import default_output, evidence_header, fixed_workload, write_json
-from common.cli import CommandLineError, Parser, check_args, fail, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.loading import EMBEDDED_MODEL
 from common.sampling import SamplingParams
 from step12_cuda_graph.decode_graphs import PendingTokens
@@ -99,8 +99,8 @@ def main() -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--batches", default="1,8,64")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=at_least(1), default=32)
+    p.add_argument("--max-tokens", type=at_least(1), default=128)
     p.add_argument("--output", type=Path, default=None, help="evidence file (default runs/step14_overlap_scheduling/...)")
     args = p.parse_args()
     try:  # before the model loads: a bad value is one line and exit code 2

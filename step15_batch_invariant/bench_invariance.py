@@ -31,7 +31,7 @@ from openai import AsyncOpenAI
 
 from common.bench import (default_output, evidence_header, fixed_workload, nanovllm_workload, run_engine,
                           write_json)
-from common.cli import CommandLineError, Parser, check_args, check_at_least, fail, parse_names, parse_sizes
+from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_names, parse_sizes
 from common.loading import EMBEDDED_MODEL, LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
@@ -136,12 +136,12 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--parts", default="together,speculation", help=f"comma-separated, of: {', '.join(PARTS)}")
     p.add_argument("--requests", type=int, default=32, help="requests sent together, then one at a time")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens each of those requests generates")
+    p.add_argument("--max-tokens", type=at_least(1), default=64, help="tokens each of those requests generates")
     p.add_argument("--batches", default="1,8,64", help="decode batches timed by the `decode` part")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    p.add_argument("--max-num-batched-tokens", type=at_least(1), default=None,
                    help="the token budget of the together, server and speculation parts: a small one cuts prompts "
                         "sent together into chunks at other places than alone (default: the engine's)")
-    p.add_argument("--long-prompt", type=int, default=0,
+    p.add_argument("--long-prompt", type=at_least(0), default=0,
                    help="the `decode` part also times one request of this many prompt tokens (default: none)")
     p.add_argument("--draft-model", default=None,
                    help="the `speculation` part's proposer: this model as a draft (default: n-gram proposals)")
@@ -151,7 +151,6 @@ def main() -> int:
         check_args(args)
         parts = parse_names("--parts", args.parts, PARTS)
         batches = parse_sizes("--batches", args.batches)
-        check_at_least("--long-prompt", args.long_prompt, 0)
     except CommandLineError as err:
         return fail(err)
     config = BatchInvariantEngineConfig(model=args.model, device=args.device, dtype=args.dtype)

@@ -19,7 +19,7 @@ import compare
 from common import cli
 from common.bench import RUNS_DIR, default_output
 from common.engine import EngineConfig
-from common.steps import STEP_NAMES
+from common.steps import STEP_NAMES, find_step
 from step02_paged_kv.run import add_arguments
 from step08_serve.run import build_parser as build_server_parser
 
@@ -176,6 +176,31 @@ def test_check_args_names_the_flag_and_the_value(argv: list[str], message: str) 
         cli.check_args(step_parser().parse_args(argv))
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("parser", "argv", "message"), [
+    (lambda: step_parser_of("step12_cuda_graph"), ["--max-graph-batch", "0"], "--max-graph-batch must be at least 1"),
+    (lambda: step_parser_of("step09_chunked_prefill"), ["--max-num-batched-tokens", "0"],
+     "--max-num-batched-tokens must be at least 1"),
+    (step_parser, ["--profile", "0"], "--profile must be at least 1 (got 0)"),
+    (compare.build_parser, ["--hf-static-max-batch", "-1"], "--hf-static-max-batch must be at least 0 (got -1)"),
+    (lambda: build_server_parser("step10_prefix_caching"), ["--tensor-parallel-size", "0"],
+     "--tensor-parallel-size must be at least 1 (got 0)"),
+    (lambda: build_server_parser("step10_prefix_caching"), ["--data-parallel-size", "0"],
+     "--data-parallel-size must be at least 1 (got 0)"),
+])
+def test_each_flag_declares_its_minimum(parser, argv: list[str], message: str) -> None:  # noqa: ANN001
+    """A flag's smallest value is declared with the flag (`type=at_least(n)`), a step's own flags too, and
+    check_args refuses a smaller one in one line."""
+    with pytest.raises(cli.CommandLineError) as err:
+        cli.check_args(parser().parse_args(argv))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def step_parser_of(name: str) -> argparse.ArgumentParser:
+    parser = cli.build_parser(name)
+    find_step(name).add_arguments(parser)
+    return parser
 
 
 def test_prompts_file_that_is_a_folder(tmp_path: Path) -> None:

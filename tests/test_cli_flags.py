@@ -9,7 +9,6 @@ reads: every field a flag sets must be among them.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import pytest
 
@@ -22,9 +21,7 @@ from common.steps import STEPS, Step
 def step_parser(step: Step):  # noqa: ANN201
     """The parser of the step's run.py: the shared command line plus the step's own flags."""
     parser = build_parser(step.name)
-    add_arguments = getattr(importlib.import_module(f"{step.name}.run"), "add_arguments", None)
-    if add_arguments is not None:
-        add_arguments(parser)
+    step.add_arguments(parser)
     return parser
 
 

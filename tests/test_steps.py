@@ -3,13 +3,17 @@ folder, a notebook and tests for each step. A step added to one place and not th
 
 from __future__ import annotations
 
+import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from common.cli import Parser
 from common.engine import Engine
-from common.steps import STEP_NAMES, STEPS, engine_class, find_step
+from common.steps import STEP_NAMES, STEPS, Step, engine_class, find_step
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER = "step08_serve"  # not an engine: it serves any of them
@@ -51,6 +55,26 @@ def test_each_engine_subclasses_the_one_before() -> None:
         assert issubclass(later.engine_class(), earlier.engine_class()), f"{later.name} does not extend {earlier.name}"
     assert issubclass(engine_class("step06_paged_attention"), engine_class("step02_paged_kv"))
     assert all(issubclass(step.engine_class(), Engine) for step in STEPS)
+
+
+@pytest.mark.parametrize("step", STEPS, ids=[s.name for s in STEPS])
+def test_each_step_carries_its_run_pys_flags(step: Step) -> None:
+    """The registry adds the flags of the step's run.py (none for step 01), and the tools take them from there."""
+    ours, theirs = Parser(), Parser()  # the project's parser: a later step replaces an earlier one's flag
+    step.add_arguments(ours)
+    add_arguments = getattr(importlib.import_module(f"{step.name}.run"), "add_arguments", None)
+    if add_arguments is not None:
+        add_arguments(theirs)
+    assert ours.format_help() == theirs.format_help()
+    assert (add_arguments is None) == (step.name == "step01_serial")
+
+
+def test_the_step_list_for_scripts() -> None:
+    """scripts/gpu_suite.sh reads the steps from `python -m common.steps`, one a line, without torch."""
+    listed = subprocess.run([sys.executable, "-c", "import runpy, sys; runpy.run_module('common.steps', "
+                             "run_name='__main__'); print(sorted({'torch'} & set(sys.modules)))"],
+                            cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
+    assert listed == [*STEP_NAMES, "[]"]
 
 
 def test_unknown_step_names_the_choices() -> None:
