@@ -28,10 +28,10 @@ from common.bench import default_output, evidence_header, write_json
 from common.cli import CommandLineError, Parser, check_at_least, fail, parse_names, parse_sizes
 from common.config import weight_params_per_decode_step
 from common.loading import LoadedModel, load_model
+from common.profiling.kernels import category_of  # the one list of kernel names, shared with the profiler
 from common.sampling import SamplingParams
-from step06_paged_attention.kernel_bench import copy_bandwidth_gbs
+from common.timing import copy_bandwidth_gbs
 from step12_cuda_graph.decode_graphs import DecodeBatch
-from step05_profiling.kernels import category_of  # the one list of kernel names, shared with step 05's profiler
 from step13_fused_decode.engine import FusedDecodeEngine, FusedDecodeEngineConfig
 
 VARIANTS = {"plain": {"fused_ops": False},
