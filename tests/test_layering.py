@@ -3,6 +3,7 @@
 - `common/` is the floor: it imports nothing of the project but itself, no step, no `scripts/`, no top-level command.
 - The installed package (`common`, the steps, `exercises`) imports neither `scripts/` nor the top-level commands
   (`compare.py`, `tour.py`): they are not installed, so a plain `pip install -e .` would miss them.
+- The notebooks import only the installed package: they run after a plain `pip install -e .`.
 - No import circle among the project's modules.
 
 Every import counts, the ones inside functions and under `TYPE_CHECKING` too: a lazy import still ties one
@@ -14,6 +15,7 @@ modules (`exercises/__init__.py`) would otherwise seem to form a circle with eac
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,11 +37,13 @@ def project_files() -> dict[str, Path]:
     return {module_name(f): f for f in files}
 
 
-def imported(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules that `path` imports anywhere in it. `from a import b` names the module `a.b` where
-    there is one, else `a`."""
+def imported(path: Path, modules: dict[str, Path], source: str | None = None) -> set[str]:
+    """The project modules that `path` (or `source`, read from it) imports anywhere in it. `from a import b` names
+    the module `a.b` where there is one, else `a`."""
+    roots = {name.partition(".")[0] for name in modules}
+    text = path.read_text(encoding="utf-8") if source is None else source
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in ast.walk(ast.parse(text, filename=str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -47,12 +51,8 @@ def imported(path: Path, modules: dict[str, Path]) -> set[str]:
                      for alias in node.names]
         else:
             continue
-        found |= {name for name in names if name.partition(".")[0] in top_level(modules)}
+        found |= {name for name in names if name.partition(".")[0] in roots}
     return found
-
-
-def top_level(modules: dict[str, Path]) -> set[str]:
-    return {name.partition(".")[0] for name in modules}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -76,6 +76,19 @@ def test_the_package_imports_neither_scripts_nor_the_top_level_commands() -> Non
     wrong = {f"{module} imports {target}" for module, targets in import_graph().items() if in_package(module)
              for target in targets if target.partition(".")[0] in ("scripts", *COMMANDS)}
     assert not wrong, "not installed by pip install -e .: " + "; ".join(sorted(wrong))
+
+
+def test_the_notebooks_import_only_the_installed_package() -> None:
+    """No notebook reaches for scripts/ or compare.py, by import or by running the file (`runpy`)."""
+    modules = project_files()
+    wrong = []
+    for notebook in sorted((REPO / "notebooks").glob("*.ipynb")):
+        cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+        source = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
+        wrong += [f"{notebook.name} imports {target}" for target in sorted(imported(notebook, modules, source))
+                  if not in_package(target)]
+        wrong += [f"{notebook.name} runs a file with runpy"] if "runpy" in source else []
+    assert not wrong, "; ".join(wrong)
 
 
 def circles(graph: dict[str, set[str]]) -> list[set[str]]:
