@@ -1,7 +1,9 @@
 """Timing a GPU kernel, and how fast a device's memory can be read: the ceilings the benchmarks compare against.
 
 `timed_ms` replays a CUDA graph of `CALLS_PER_GRAPH` calls, so the figure is the GPU's time per call, not the
-host's time to launch it (measured per call, a small kernel on a slow host shows only the launch).
+host's time to launch it (measured per call, a small kernel on a slow host shows only the launch);
+`call_timed_ms` times call by call, for a kernel long enough that its launch does not count; `graph_replay_ms`
+times a graph already captured (an engine's decode step).
 `copy_bandwidth_gbs` is the device's copy bandwidth, measured as a large copy; `memory_bandwidth_gbs` the same,
 on a CPU too, measured once per device and process (the profiler's weight-read floor).
 """
@@ -39,6 +41,33 @@ def timed_ms(fn: Callable[[], object], repeats: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / CALLS_PER_GRAPH)
     return statistics.median(times)
+
+
+def call_timed_ms(fn: Callable[[], object], repeats: int = 20) -> float:
+    """GPU milliseconds of one call of `fn`, timed call by call with CUDA events: the median of `repeats`."""
+    for _ in range(3):  # compile and allocate before timing
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """GPU milliseconds per replay of a captured graph, over `replays` replays after one to warm up."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def copy_bandwidth_gbs(device: torch.device, gigabytes: float = 2.0, repeats: int = 20) -> float:
