@@ -7,31 +7,25 @@ One model is loaded once and shared by every step's engine and by the HF generat
 figures differ only by what the steps do. Writes one JSON evidence file with every run, by default
 runs/compare/<device>-<model>.json (ignored by git; -2, -3, ... added to the name if an earlier run has it;
 `--output results/gpu/...` replaces committed evidence), and its plot next to it (the same name with .png,
-drawn by scripts/plot_compare.py; skipped if matplotlib is not installed).
+drawn by common/plots/throughput.py; skipped if matplotlib is not installed).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_names, parse_sizes
 from common.config import EMBEDDED_MODEL
-from common.steps import STEP_NAMES, engine_class
+from common.steps import STEP_NAMES
 from step06_paged_attention.run import ATTENTION_BACKENDS
 
 if TYPE_CHECKING:  # for the annotations only: torch and the engines load once the command line is accepted
-    import torch
-
     from common.bench import RunMetrics, Workload
     from common.engine import Engine
-    from common.loading import LoadedModel
-    from step02_paged_kv.engine import PagedEngineConfig
 
 
 def parse_max_batch(specs: list[str]) -> dict[str, int]:
@@ -70,25 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_engine(name: str, loaded: LoadedModel, base: PagedEngineConfig, blocks: int, attn: str, largest_batch: int
-                 ) -> Engine:
-    """Step `name`'s engine on the shared model, with the KV pool every paged step gets."""
-    from common.engine import EngineConfig
-    from step02_paged_kv.engine import PagedEngineConfig
-    from step06_paged_attention.engine import PagedAttentionEngineConfig
-
-    step_engine = engine_class(name)
-    if issubclass(step_engine.config_class, PagedAttentionEngineConfig):
-        config: EngineConfig = step_engine.config_class(**asdict(replace(base, num_blocks=blocks)), attn=attn)
-        if hasattr(config, "max_graph_batch"):  # capture graphs only up to the largest batch measured
-            config.max_graph_batch = largest_batch
-    elif issubclass(step_engine.config_class, PagedEngineConfig):
-        config = replace(base, num_blocks=blocks)
-    else:
-        config = EngineConfig(model=base.model, device=base.device, dtype=base.dtype)
-    return step_engine(loaded, config)
-
-
 def measure_step(name: str, engine: Engine, workloads: list[Workload], repeats: int) -> list[RunMetrics]:
     """One step's engine on each workload, after a short warm-up on the same shapes."""
     from common.bench import Workload, median_of, run_engine
@@ -101,15 +76,6 @@ def measure_step(name: str, engine: Engine, workloads: list[Workload], repeats: 
         print(f"[compare] {workload.name} {name}: {runs[-1].output_tok_per_s:.1f} tok/s "
               f"({time.perf_counter() - started:.0f} s)", flush=True)
     return runs
-
-
-def release_memory(device: torch.device) -> None:
-    """Give back what a dropped engine held (engines keep reference cycles: collect them first)."""
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -136,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from common.loading import ModelLoadError, load_model
     from common.reference import hf_model_for
+    from common.shared_model import build_engine, release_memory
     from step02_paged_kv.engine import PagedEngineConfig
 
     base = PagedEngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size)
@@ -157,9 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              torch_threads=torch.get_num_threads())
     output = args.output or default_output("compare", device.type, args.model)
     runs = []
-    # One engine at a time, built just before its runs and dropped after them: engines on one GPU would each hold
-    # a KV pool, and a later engine may re-lay the shared weights out (step 13 packs its projections), which a
-    # graph captured earlier by another engine would still point at.
+    # One engine at a time, built just before its runs and dropped after them (common/shared_model.py says why).
     for name in steps:
         fits = [w for w in workloads if len(w.prompts) <= max_batch.get(name, len(w.prompts))]
         for workload in (w for w in workloads if w not in fits):
@@ -187,8 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(runs))
     evidence = write_evidence(output, header, runs, workloads)  # prints where
     try:
-        # scripts/ has no __init__.py: it imports as a namespace package from the folder compare.py is in.
-        from scripts.plot_compare import write_plot
+        from common.plots.throughput import write_plot
 
         print(f"wrote {write_plot([evidence], evidence.with_suffix('.png'))}")
     except ImportError as err:  # matplotlib is a test extra, not a dependency of the engine

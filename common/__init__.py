@@ -1,5 +1,6 @@
-"""What the steps share: the model, its loading, tokenizer and sampling, the engine interface, the command line
-and the benchmark harness."""
+"""What the steps share: the model, its loading, tokenizer and sampling, the engine interface, and the harness that
+runs, measures and profiles any step (the command line, the benchmarks, the profiler, the plots). It imports no
+step."""
 
 import os
 import sys

@@ -288,7 +288,7 @@ def run_prompts(engine_class: type[Engine], args: argparse.Namespace, step_name:
     params = SamplingParams(max_tokens=max_tokens, temperature=args.temperature, seed=args.seed)
     start = time.perf_counter()
     if args.profile:  # the same generation, some of its steps under the profiler (step 05)
-        from step05_profiling.profiler import format_report, profile_generate
+        from common.profiling.profiler import format_report, profile_generate
 
         trace = default_output("profile", step_name, engine.device.type, args.model)
         completions, report = profile_generate(engine, prompt_ids, params, args.profile, trace)

@@ -1,12 +1,12 @@
 """Exercise 05-count-syncs: how many times a step's host stopped to wait for the device.
 
-Write the body of `count_syncs`; `python -m exercises run 05-count-syncs` plugs it into step 05's trace
-reader in place of `step05_profiling.trace.count_syncs` and runs step 05's tests and dry run on it.
+Write the body of `count_syncs`; `python -m exercises run 05-count-syncs` plugs it into the profiler's trace
+reader in place of `common.profiling.trace.count_syncs` and runs step 05's tests and dry run on it.
 """
 
 from __future__ import annotations
 
-from step05_profiling.trace import CPU_SYNC_OPS, SYNC_CALLS, Event
+from common.profiling.trace import CPU_SYNC_OPS, SYNC_CALLS, Event
 
 
 def count_syncs(events: list[Event], on_gpu: bool) -> int:
@@ -39,4 +39,4 @@ def count_syncs(events: list[Event], on_gpu: bool) -> int:
     Hints (step05_profiling/README.md, "The seed's bug, found as a learner would"): `e.name in SYNC_CALLS`
     compares the whole name with each in the tuple; `sum(1 for e in events if ...)` counts.
     """
-    raise NotImplementedError("write step05_profiling.trace.count_syncs: see the hints in its docstring")
+    raise NotImplementedError("write common.profiling.trace.count_syncs: see the hints in its docstring")

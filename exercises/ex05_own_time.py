@@ -1,13 +1,13 @@
 """Exercise 05-own-time: how long each range of a trace ran by itself, and how deep it sits.
 
-Write the body of `nesting`; `python -m exercises run 05-own-time` plugs it into step 05's trace reader in
-place of `step05_profiling.trace.nesting` and runs step 05's tests and dry run on it. The per-phase table
+Write the body of `nesting`; `python -m exercises run 05-own-time` plugs it into the profiler's trace reader in
+place of `common.profiling.trace.nesting` and runs step 05's tests and dry run on it. The per-phase table
 (`read_steps`) and the CPU breakdown both read their times through it.
 """
 
 from __future__ import annotations
 
-from step05_profiling.trace import Event
+from common.profiling.trace import Event
 
 
 def nesting(ranges: list[Event]) -> list[tuple[Event, float, int]]:
@@ -38,4 +38,4 @@ def nesting(ranges: list[Event]) -> list[tuple[Event, float, int]]:
     top is its parent, whose own time loses this range's duration, and the stack's height is its depth.
     Key your running totals by `id(range)`: an `Event` is an unhashable dataclass, and two may be equal.
     """
-    raise NotImplementedError("write step05_profiling.trace.nesting: see the hints in its docstring")
+    raise NotImplementedError("write common.profiling.trace.nesting: see the hints in its docstring")

@@ -97,7 +97,7 @@ EXERCISES = [
     Exercise(
         id="05-own-time",
         stub_module="ex05_own_time",
-        target="step05_profiling.trace:nesting",
+        target="common.profiling.trace:nesting",
         tests=("tests/test_step05_profiling.py", "-k",
                "nesting_gives_own_times or kernels_go_to_the_phase or cover_the_step"),
         step="step05_profiling",
@@ -106,7 +106,7 @@ EXERCISES = [
     Exercise(
         id="05-count-syncs",
         stub_module="ex05_count_syncs",
-        target="step05_profiling.trace:count_syncs",
+        target="common.profiling.trace:count_syncs",
         tests=("tests/test_step05_profiling.py", "-k", "sync_per_layer or kernels_go_to_the_phase"),
         step="step05_profiling",
         lesson="step05_profiling/README.md",

@@ -2,27 +2,17 @@
 
 Each `render_<kind>(path, doc)` returns a table's lines (header, alignment, rows); every figure in it is read from
 `doc` or computed from its figures (ratios too). `RENDERERS` lists, in order, which kinds a document can be shown
-as; scripts/results_table.py puts the table under its source line and keeps the READMEs' tables fresh.
+as; scripts/results_table.py puts the table under its source line and keeps the READMEs' tables fresh. The tables
+of compare.py's and run.py --bench's runs are `common/tables.py`'s, which the notebooks print too.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from common.tables import Doc, markdown, render_pivot, render_runs
 from scripts.decode_breakdown import breakdown_table
-
-Doc = dict[str, Any]
-
-
-def markdown(header: list[str], rows: list[list[str]], text_columns: int = 1) -> list[str]:
-    """A table whose first `text_columns` columns are left-aligned (labels) and the others right-aligned (figures)."""
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(cells) + " |"
-    alignment = ["---"] * text_columns + ["---:"] * (len(header) - text_columns)
-    return [line(header), "|" + "|".join(alignment) + "|", *map(line, rows)]
 
 
 def first(doc: Doc, key: str) -> Doc:
@@ -35,39 +25,6 @@ def span(values: list[float], unit: str) -> str:
     """The shortest and the longest of some times: "11.0 to 29.5 ms", or one figure where they are the same."""
     low, high = f"{min(values):.1f}", f"{max(values):.1f}"
     return f"{low} {unit}" if low == high else f"{low} to {high} {unit}"
-
-
-# compare.py and run.py --bench
-
-
-def prompt_len(run: Doc) -> str:
-    """A fixed workload's prompt length, from its name (batch8_in32_out128 -> 32); another workload's name."""
-    fixed = re.fullmatch(r"batch\d+_in(\d+)_out\d+", run["workload"])
-    return fixed.group(1) if fixed else run["workload"]
-
-
-def render_runs(path: str, doc: Doc) -> list[str]:
-    """Per system and batch: output tok/s, against HF's at the same batch, and the median TTFT and TPOT."""
-    runs = doc["runs"]
-    hf = {r["batch"]: r["output_tok_per_s"] for r in runs if r["system"] == "hf-generate"}
-    # A file measured at several prompt lengths gets a column for it (the batch alone does not tell its runs apart).
-    by_prompt = len({prompt_len(r) for r in runs}) > 1
-    header = ["system", *(["prompt"] if by_prompt else []), "batch", "output tok/s", "vs HF", "TTFT ms (median)",
-              "TPOT ms (median)"]
-    rows = [[r["system"], *([prompt_len(r)] if by_prompt else []), str(r["batch"]), f"{r['output_tok_per_s']:.1f}",
-             f"{r['output_tok_per_s'] / hf[r['batch']]:.2f}x" if r["batch"] in hf else "-",
-             f"{r['ttft_ms_median']:.1f}", f"{r['tpot_ms_median']:.1f}"] for r in runs]
-    return markdown(header, rows)
-
-
-def render_pivot(path: str, doc: Doc) -> list[str]:
-    """The same runs as output tok/s only: one row per batch, one column per system."""
-    runs = doc["runs"]
-    systems = list(dict.fromkeys(r["system"] for r in runs))
-    batches = list(dict.fromkeys(r["batch"] for r in runs))
-    tok_s = {(r["system"], r["batch"]): r["output_tok_per_s"] for r in runs}
-    rows = [[str(b), *(f"{tok_s[(s, b)]:.1f}" if (s, b) in tok_s else "-" for s in systems)] for b in batches]
-    return markdown(["batch", *systems], rows, text_columns=0)
 
 
 # step 07 to step 10's benchmarks

@@ -46,6 +46,7 @@ import argparse
 import json
 import sys
 
+from common.tables import source_line
 from scripts.renderers import RENDERERS
 
 
@@ -53,12 +54,6 @@ from scripts.renderers import RENDERERS
 # The names are the runs' systems (compare.py, run.py --bench), the profile points' variants (which hold commas),
 # or a matmul benchmark's row counts ([1; 8]).
 SELECTABLE = {"runs": "system", "points": "variant"}
-
-
-def source_line(path: str, doc: dict, only: list[str] | None = None) -> str:
-    selected = f" [{'; '.join(only)}]" if only else ""
-    return (f"<!-- {path}{selected}: commit {doc['git_commit'][:10]}, {doc['device']}, {doc['model']}, "
-            f"{doc['dtype']} -->")
 
 
 def selected(path: str, doc: dict, only: list[str]) -> dict:

@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_args(args)
         if args.bench:
-            raise CommandLineError("--bench: step 04's measurements run on GPUs, from scripts/gpu_suite.sh (not yet "
+            raise CommandLineError("--bench: step 04's measurements run on GPUs, in scripts/gpu_suite.sh (not yet "
                                    "here); run without --bench")
     except CommandLineError as err:
         return fail(err)

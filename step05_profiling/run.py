@@ -27,7 +27,7 @@ from common.steps import STEP_NAMES
 if TYPE_CHECKING:  # torch and the engines load once the command line is accepted
     from common.engine import Engine, EngineConfig
     from common.loading import LoadedModel
-    from step05_profiling.profiler import ProfileReport
+    from common.profiling.profiler import ProfileReport
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def decoding_engine(variant: Variant, loaded: LoadedModel, config: EngineConfig,
 
     from common.bench import fixed_workload
     from common.sampling import SamplingParams
-    from compare import build_engine
+    from common.shared_model import build_engine
     from step02_paged_kv.engine import PagedEngineConfig
 
     workload = fixed_workload(batch, prompt_len, seed=0)
@@ -90,7 +90,7 @@ def decoding_engine(variant: Variant, loaded: LoadedModel, config: EngineConfig,
 def profile_variant(variant: Variant, loaded: LoadedModel, config: EngineConfig, args: argparse.Namespace,
                     trace: Path) -> tuple[ProfileReport, float]:
     """The variant's decode steps timed, then profiled: the report and the unprofiled ms per step."""
-    from step05_profiling.profiler import profile_steps
+    from common.profiling.profiler import profile_steps
 
     engine = decoding_engine(variant, loaded, config, args.batch, args.prompt_len, args.profile_steps)
     unprofiled_ms = time_steps(engine, args.profile_steps)
@@ -120,7 +120,7 @@ def check_report(name: str, report: ProfileReport) -> bool:
     """The dry run's checks: the trace is JSON with every phase's range, and the phases cover the step."""
     import json
 
-    from step05_profiling.phases import STEP_RANGE
+    from common.profiling.phases import STEP_RANGE
 
     with open(report.trace, encoding="utf-8") as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
@@ -145,8 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from common.bench import RUNS_DIR, default_output, evidence_header, write_json
     from common.engine import EngineConfig
     from common.loading import ModelLoadError, load_model
-    from compare import release_memory
-    from step05_profiling.profiler import format_report, report_dict
+    from common.profiling.profiler import format_report, report_dict
+    from common.shared_model import release_memory
 
     model = "tiny-llama" if args.dry_run else args.model
     config = EngineConfig(model=model, device=args.device, dtype="float32" if args.dry_run else args.dtype)
@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.no_plot:
         return 0
     try:
-        from scripts.plot_profile import write_plot
+        from common.plots.profile import write_plot
 
         print(f"wrote {write_plot(output, output.with_suffix('.png'))}")
     except ImportError as err:  # matplotlib is a test extra, not a dependency of the engine

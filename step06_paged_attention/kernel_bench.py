@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,56 +27,12 @@ import torch.nn.functional as F
 from common.bench import default_output, evidence_header, write_json
 from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.config import load_bundled_config
+from common.timing import CALLS_PER_GRAPH, copy_bandwidth_gbs, timed_ms
 from step06_paged_attention import triton_kernels
 from step06_paged_attention.backends import TritonBackend
 
 
-CALLS_PER_GRAPH = 20
 SPLITS_TRIED = (1, 2, 4, 8, 16, 32)
-
-
-def timed_ms(fn, repeats: int) -> float:
-    """GPU milliseconds per call of `fn`: the median over `repeats` replays of a graph of CALLS_PER_GRAPH calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and allocate outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS_PER_GRAPH)
-    return statistics.median(times)
-
-
-def copy_bandwidth_gbs(device: torch.device, gigabytes: float = 2.0, repeats: int = 20) -> float:
-    """Device-to-device copy by a kernel: bytes read plus bytes written, per second. Timed call by call
-    (2 GB takes long enough that the launch does not count); inside a CUDA graph the same copy_ would
-    become a copy-engine transfer, which is slower (about 2.7 TB/s on the H200) and not the ceiling.
-    The fastest of the repeats: a ceiling is what the memory can do at its best (the median moved between
-    4.17 and 4.24 TB/s from one run to the next), so shares of it err low rather than high."""
-    src = torch.empty(int(gigabytes * 2**30), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * src.numel() / (min(times) * 1e-3) / 1e9
 
 
 def bench_point(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, block_size: int,

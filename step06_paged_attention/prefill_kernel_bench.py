@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import random
 import re
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from common.bench import default_output, evidence_header, write_json
 from common.cli import CommandLineError, Parser, fail
 from common.config import load_bundled_config
+from common.timing import call_timed_ms
 from step06_paged_attention import triton_kernels
 
 # (rows per program, keys per tile, warps, stages); the kernel's default is (64, 64, 4, 3).
@@ -41,20 +41,6 @@ def parse_points(text: str) -> list[tuple[int, int]]:
             raise CommandLineError(f"--points takes NEWxCONTEXT pairs with 1 <= NEW <= CONTEXT (got {text!r})")
         points.append((int(match[1]), int(match[2])))
     return points
-
-
-def timed_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def bench_point(q_len: int, context: int, decoders: int, heads: int, kv_heads: int, head_dim: int,
@@ -98,7 +84,7 @@ def bench_point(q_len: int, context: int, decoders: int, heads: int, kv_heads: i
         if error > 0.05:
             results.append(row | {"error": "output differs from the reference"})
             continue
-        ms = timed_ms(call)
+        ms = call_timed_ms(call)
         results.append(row | {"ms": ms, "tflops": flops / ms / 1e9})
         print(f"new {q_len:5d} context {context:6d} +{decoders} decoders  rows {block_m:3d} tile {tile:3d} "
               f"warps {warps} stages {stages}: {ms:7.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)

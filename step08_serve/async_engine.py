@@ -26,8 +26,8 @@ from common.request import RequestOutput
 from common.sampling import SamplingParams
 from step08_serve.metrics import ServingMetrics
 
-if TYPE_CHECKING:  # step 05's profiler loads only when a profile is asked for
-    from step05_profiling.profiler import StepProfiler
+if TYPE_CHECKING:  # the profiler loads only when a profile is asked for
+    from common.profiling.profiler import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self._timing: dict[str, _Timing] = {}  # per running request, for TTFT/TPOT
-        self._profiling: _Profiling | None = None  # POST /profile: the next steps run under step 05's profiler
+        self._profiling: _Profiling | None = None  # POST /profile: the next steps run under the profiler (step 05)
 
     # ----- lifecycle -----------------------------------------------------------------------------------
 
@@ -138,7 +138,7 @@ class AsyncEngine:
 
     def _start_profile(self, steps: int, done: asyncio.Future[dict]) -> None:
         from common.bench import default_output
-        from step05_profiling.profiler import StepProfiler
+        from common.profiling.profiler import StepProfiler
 
         if self._profiling is not None:
             self._call_in_loop(_settle, done, ValueError("a profile is already being taken: wait for its answer"))
@@ -149,7 +149,7 @@ class AsyncEngine:
         self._profiling = _Profiling(profiler, steps, done)
 
     def _count_profiled_step(self) -> None:
-        from step05_profiling.profiler import format_report
+        from common.profiling.profiler import format_report
 
         profiling = self._profiling
         assert profiling is not None

@@ -4,7 +4,7 @@ For each weight shape of one model (q/k/v packed, o, gate/up packed, down, the o
 of rows, the skinny kernel's output is first compared with F.linear's; then both are timed, the skinny
 kernel at every launch setting of a small grid. Each call reads a different copy of the weight (enough
 copies to exceed the L2 cache several times over), as 28 layers do, so a weight is never served from cache.
-Timing replays a CUDA graph of many calls (step06's `timed_ms`). Achieved bandwidth counts the weight's
+Timing replays a CUDA graph of many calls (`common.timing.timed_ms`). Achieved bandwidth counts the weight's
 bytes. Writes JSON evidence with every setting's time, the best one per point, and cuBLAS's (by default
 runs/step13_fused_decode/matmul-bench-cuda-<config>.json, ignored by git).
 
@@ -25,7 +25,7 @@ import triton
 from common.bench import default_output, evidence_header, write_json
 from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.config import ModelConfig, load_bundled_config
-from step06_paged_attention.kernel_bench import copy_bandwidth_gbs, timed_ms
+from common.timing import copy_bandwidth_gbs, timed_ms
 from step13_fused_decode.skinny_matmul import SkinnyConfig, skinny_linear
 
 L2_MULTIPLE = 8  # the copies of a weight together hold this many times the L2 cache (H200: 50 MB)

@@ -28,10 +28,10 @@ from common.bench import default_output, evidence_header, write_json
 from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_names, parse_sizes
 from common.config import weight_params_per_decode_step
 from common.loading import LoadedModel, load_model
+from common.profiling.kernels import category_of  # the one list of kernel names, shared with the profiler
 from common.sampling import SamplingParams
-from step06_paged_attention.kernel_bench import copy_bandwidth_gbs
+from common.timing import copy_bandwidth_gbs, graph_replay_ms
 from step12_cuda_graph.decode_graphs import DecodeBatch
-from step05_profiling.kernels import category_of  # the one list of kernel names, shared with step 05's profiler
 from step13_fused_decode.engine import FusedDecodeEngine, FusedDecodeEngineConfig
 
 VARIANTS = {"plain": {"fused_ops": False},
@@ -64,10 +64,10 @@ def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, ste
                                    [r.block_table for r in requests], [r.params for r in requests],
                                    [len(r.output_token_ids) for r in requests]), bucket)
     frozen_len = graphs.frozen_len_for(bucket, max(seq_lens))
-    replay_ms = time_replays(graphs.graphs[bucket, False, frozen_len], steps)
+    replay_ms = graph_replay_ms(graphs.graphs[bucket, False, frozen_len], steps)
     # The same step through the graph captured for the longest context, where the bucket has a short one:
     # its split count is the difference (decode_graphs.SHORT_CONTEXT).
-    long_ms = time_replays(graphs.graphs[bucket, False, engine.max_model_len], steps) if (
+    long_ms = graph_replay_ms(graphs.graphs[bucket, False, engine.max_model_len], steps) if (
         frozen_len != engine.max_model_len) else None
 
     eager_steps = max(1, steps // 4)
@@ -95,18 +95,6 @@ def profile_point(loaded: LoadedModel, model: str, batch: int, context: int, ste
     del engine, graphs
     torch.cuda.empty_cache()
     return point
-
-
-def time_replays(graph: torch.cuda.CUDAGraph, steps: int) -> float:
-    """Milliseconds per replay, over `steps` replays after one to warm up."""
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps
 
 
 def main() -> int:

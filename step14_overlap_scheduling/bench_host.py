@@ -21,8 +21,8 @@ import torch
 from common.bench import default_output, evidence_header, write_json
 from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.loading import load_model
+from common.profiling.phases import ATTENTION_RANGE, PHASES, STEP_RANGE, PhaseTimer, instrument
 from common.sampling import SamplingParams
-from step05_profiling.phases import ATTENTION_RANGE, PHASES, STEP_RANGE, PhaseTimer, instrument
 from step14_overlap_scheduling.engine import OverlapSchedulingEngine, OverlapSchedulingEngineConfig
 
 

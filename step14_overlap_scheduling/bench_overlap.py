@@ -25,6 +25,7 @@ from common.bench import default_output, evidence_header, fixed_workload, write_
 from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.loading import EMBEDDED_MODEL
 from common.sampling import SamplingParams
+from common.timing import graph_replay_ms
 from step12_cuda_graph.decode_graphs import PendingTokens
 from step14_overlap_scheduling.engine import OverlapSchedulingEngine, OverlapSchedulingEngineConfig
 
@@ -62,14 +63,7 @@ def replay_ms(engine: OverlapSchedulingEngine, batch: int, longest: int, repeats
     graph = graphs.graph_for(graphs.bucket_for(batch), sampled=False, longest=longest)
     if graph is None:
         return None
-    graph.replay()  # warm
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
+    return graph_replay_ms(graph, repeats)
 
 
 def decode_run(engine: OverlapSchedulingEngine, batch: int, prompt_len: int, max_tokens: int) -> dict[str, float]:

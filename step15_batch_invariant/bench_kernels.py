@@ -1,6 +1,6 @@
 """The batch-invariant kernels on a GPU: are their bits the same in every launch, and what does each launch cost?
 
-Two parts, each timed as a replayed CUDA graph (step 06's `timed_ms`), so a figure is the GPU's time per call:
+Two parts, each timed as a replayed CUDA graph (`common.timing.timed_ms`), so a figure is the GPU's time per call:
 
 - `matmul`: each linear layer of a model (Qwen2.5-7B's by default) at 1, 8, 64 and 256 rows, by cuBLAS and by
   `invariant_matmul` in every tile of a sweep (rows by features by K per step, and pipeline stages). For each
@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from common.bench import default_output, evidence_header, write_json
 from common.cli import CommandLineError, Parser, check_device, fail, parse_names, parse_sizes
 from common.config import ModelConfig, bundled_config_names, load_bundled_config
+from common.timing import timed_ms
 from step06_paged_attention.backends import TritonBackend
-from step06_paged_attention.kernel_bench import timed_ms
 from step06_paged_attention.triton_kernels import paged_decode, paged_prefill
 from step15_batch_invariant.attention import InvariantTritonBackend
 from step15_batch_invariant.decode_kernel import attend_in_pieces, pieces_decode

@@ -102,9 +102,9 @@ def test_profile_step_finds_our_attention_kernels() -> None:
     """The decode profile's attention share is made of our kernels, found by their names (a rename once moved
     them to "other" without a word)."""
     pytest.importorskip("triton")
+    from common.profiling.kernels import category_of
     from step06_paged_attention.triton_kernels import PagedAttentionKernels
     from step13_fused_decode.attention_pdl import PDLPagedAttentionKernels
-    from step05_profiling.kernels import category_of
 
     kernels = [getattr(PagedAttentionKernels, name) for name in ("write_kv_kernel", "decode_kernel", "merge_kernel")]
     kernels += [getattr(PDLPagedAttentionKernels, name).kernel  # step 13's PDL twins, wrapped for their launch

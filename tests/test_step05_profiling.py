@@ -15,12 +15,12 @@ import pytest
 
 from common.engine import EngineConfig
 from common.loading import load_model
+from common.profiling import trace
+from common.profiling.phases import ENGINE_METHODS, PHASES, STEP_RANGE, instrument
+from common.profiling.profiler import format_report, profile_steps
+from common.profiling.trace import BREAKDOWN, Event, read_steps
 from common.sampling import SamplingParams
 from step05_profiling import run as profile_run
-from step05_profiling.phases import ENGINE_METHODS, PHASES, STEP_RANGE, instrument
-from step05_profiling.profiler import format_report, profile_steps
-from step05_profiling import trace
-from step05_profiling.trace import BREAKDOWN, Event, read_steps
 
 TINY = "tiny-llama"
 
@@ -72,7 +72,7 @@ def test_profiling_changes_no_token_and_leaves_the_engine_as_it_was(tmp_path: Pa
 
 def test_profiled_generation_gives_the_same_tokens(tmp_path: Path) -> None:
     from step01_serial.engine import SerialEngine
-    from step05_profiling.profiler import profile_generate
+    from common.profiling.profiler import profile_generate
 
     loaded = load_model(TINY)
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -220,7 +220,7 @@ def test_phase_timer_counts_each_phase_once() -> None:
     """The host-clock twin of the profiler's ranges: a phase's own time leaves out the phases inside it."""
     import time
 
-    from step05_profiling.phases import PhaseTimer
+    from common.profiling.phases import PhaseTimer
 
     timer = PhaseTimer()
     inner = timer.wrap("sample", lambda: time.sleep(0.02))

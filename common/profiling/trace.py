@@ -22,8 +22,8 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from step05_profiling.kernels import ATTENTION, MATMUL, category_of
-from step05_profiling.phases import ATTENTION_RANGE, PHASES, STEP_RANGE
+from common.profiling.kernels import ATTENTION, MATMUL, category_of
+from common.profiling.phases import ATTENTION_RANGE, PHASES, STEP_RANGE
 
 # Host calls that wait for the GPU to finish its queue: PyTorch makes one after every copy it is not told may
 # run on (`.item()`, `.tolist()`, `torch.tensor(a_list, device="cuda")`), an event's `synchronize()`, and

@@ -12,7 +12,6 @@ so the table says exactly what the file shows. `--profile` on every step's run.p
 
 from __future__ import annotations
 
-import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,10 +21,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from common.config import weight_params_per_decode_step
 from common.engine import Engine
+from common.profiling.phases import PHASES, instrument
+from common.profiling.trace import BREAKDOWN, StepProfile, load_events, read_steps
 from common.request import Completion
 from common.sampling import SamplingParams
-from step05_profiling.phases import PHASES, instrument
-from step05_profiling.trace import BREAKDOWN, StepProfile, load_events, read_steps
+from common.timing import memory_bandwidth_gbs
 
 
 @dataclass
@@ -55,32 +55,9 @@ class ProfileReport:
         }
 
 
-_bandwidth: dict[str, float] = {}  # measured once per device and process
-
-
-def copy_bandwidth_gbs(device: torch.device) -> float:
-    """Bytes read plus written per second by a large copy on `device`: how fast its memory can feed a step."""
-    key = str(device)
-    if key not in _bandwidth:
-        if device.type == "cuda":
-            from step06_paged_attention.kernel_bench import copy_bandwidth_gbs as cuda_copy_bandwidth
-
-            _bandwidth[key] = cuda_copy_bandwidth(device)
-        else:  # 256 MiB: far beyond the caches; the fastest of a few copies
-            src = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
-            dst = torch.empty_like(src)
-            best = float("inf")
-            for _ in range(5):
-                start = time.perf_counter()
-                dst.copy_(src)
-                best = min(best, time.perf_counter() - start)
-            _bandwidth[key] = 2 * src.numel() / best / 1e9
-    return _bandwidth[key]
-
-
 def weight_read_ms(engine: Engine) -> tuple[float, float]:
     """(ms to read every weight a decode step uses once, the copy bandwidth in GB/s it assumes)."""
-    gbs = copy_bandwidth_gbs(engine.device)
+    gbs = memory_bandwidth_gbs(engine.device)
     weight_bytes = weight_params_per_decode_step(engine.model.config) * engine.model.dtype.itemsize
     return weight_bytes / (gbs * 1e9) * 1e3, gbs
 

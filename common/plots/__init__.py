@@ -1,0 +1,2 @@
+"""The project's figures, drawn from its evidence files: `throughput` for the cross-step comparison, `profile`
+for step 05's profiles. matplotlib is a test extra: each module imports it only to draw."""
