@@ -63,7 +63,7 @@ def copy_bandwidth_gbs(device: torch.device) -> float:
     key = str(device)
     if key not in _bandwidth:
         if device.type == "cuda":
-            from step06_paged_attention.kernel_bench import copy_bandwidth_gbs as cuda_copy_bandwidth
+            from step06_paged_attention.bench.kernel_bench import copy_bandwidth_gbs as cuda_copy_bandwidth
 
             _bandwidth[key] = cuda_copy_bandwidth(device)
         else:  # 256 MiB: far beyond the caches; the fastest of a few copies

@@ -2,8 +2,8 @@
 256-sequence workload: prompts and outputs of 100 to 1,024 tokens), as output tokens per second, with how
 the router spread the requests.
 
-    .venv/bin/python step04_multi_gpu/bench_replicas.py --model tiny-qwen3 --workload fixed --batch 16   # CPU, quick
-    python step04_multi_gpu/bench_replicas.py --device cuda --model random:qwen3-0.6b --sizes 1,2        # two GPUs
+    .venv/bin/python step04_multi_gpu/bench/bench_replicas.py --model tiny-qwen3 --workload fixed --batch 16  # CPU, quick
+    python step04_multi_gpu/bench/bench_replicas.py --device cuda --model random:qwen3-0.6b --sizes 1,2       # two GPUs
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 workload, with the all-reduces a step makes counted on rank 0 (their number and size; their time is part of the
 step's). Time per output token is measured over the decode phase (once every request has its first token).
 
-    .venv/bin/python step04_multi_gpu/bench_tensor_parallel.py --sizes 1,3 --batch-sizes 1,8   # the embedded model, CPU
-    python step04_multi_gpu/bench_tensor_parallel.py --device cuda --model random:qwen2.5-7b --sizes 1,2 --batch-sizes 1,8,64
+    .venv/bin/python step04_multi_gpu/bench/bench_tensor_parallel.py --sizes 1,3 --batch-sizes 1,8   # the embedded model, CPU
+    python step04_multi_gpu/bench/bench_tensor_parallel.py --device cuda --model random:qwen2.5-7b --sizes 1,2 --batch-sizes 1,8,64
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 attention only (`--no-batched-prefill`: one prefill forward per prompt, as step 03), then step 06 whole
 (paged attention and all admitted prompts prefilled in one forward).
 
-    .venv/bin/python step06_paged_attention/bench_prefill.py --device cuda --model random:qwen2.5-7b --attn triton
-    .venv/bin/python step06_paged_attention/bench_prefill.py --model tiny-llama --batch-sizes 1,4 --max-tokens 8
+    .venv/bin/python step06_paged_attention/bench/bench_prefill.py --device cuda --model random:qwen2.5-7b --attn triton
+    .venv/bin/python step06_paged_attention/bench/bench_prefill.py --model tiny-llama --batch-sizes 1,4 --max-tokens 8
 """
 
 from __future__ import annotations

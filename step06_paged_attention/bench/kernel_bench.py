@@ -10,7 +10,7 @@ bandwidth is measured in the same run, as the ceiling. Writes JSON evidence (by 
 runs/step06_paged_attention/kernel-bench-cuda.json, ignored by git).
 
     .venv/bin/python step06_paged_attention/run.py --kernel-bench                    # on a CUDA machine
-    .venv/bin/python step06_paged_attention/kernel_bench.py --batches 1,8 --contexts 128,2048 --output out.json
+    .venv/bin/python step06_paged_attention/bench/kernel_bench.py --batches 1,8 --contexts 128,2048 --output out.json
 """
 
 from __future__ import annotations

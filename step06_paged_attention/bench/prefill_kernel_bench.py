@@ -7,7 +7,7 @@ reference (a configuration that fails is reported and not timed), then timed on 
 Reported: milliseconds per call and the attention's useful TFLOP/s (4 x new tokens x keys they see x
 head_dim x heads, causal). Writes JSON evidence (by default runs/step06_paged_attention/prefill-kernel-bench-cuda.json).
 
-    .venv/bin/python step06_paged_attention/prefill_kernel_bench.py --points 256x16384,1024x16384
+    .venv/bin/python step06_paged_attention/bench/prefill_kernel_bench.py --points 256x16384,1024x16384
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ that workload needs, so requests get preempted. Swap bandwidth: one request's wo
 of every layer) swapped out and in with one gather-and-transfer per K/V, against one copy per block and
 layer. Writes JSON evidence (by default runs/step07_preemption/preempt-<device>-<model>.json, ignored by git).
 
-    .venv/bin/python step07_preemption/bench_preempt.py --model random:qwen2.5-7b --device cuda
+    .venv/bin/python step07_preemption/bench/bench_preempt.py --model random:qwen2.5-7b --device cuda
 """
 
 from __future__ import annotations

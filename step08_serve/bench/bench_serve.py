@@ -12,8 +12,8 @@ Every flag that is not the benchmark's own builds the engine, as on step08_serve
 (`--step` and that step's own flags included): the server is started with them, and the bare engine is
 built from them the same way. `--max-num-seqs` is set to the largest concurrency in both.
 
-    .venv/bin/python step08_serve/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,2,4,8,16,32
-    .venv/bin/python step08_serve/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,8,32 \
+    .venv/bin/python step08_serve/bench/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,2,4,8,16,32
+    .venv/bin/python step08_serve/bench/bench_serve.py --model random:qwen2.5-7b --device cuda --concurrency 1,8,32 \
         --step step12_cuda_graph --attn triton
 """
 

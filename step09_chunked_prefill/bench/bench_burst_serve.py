@@ -1,14 +1,14 @@
 """Bursts of long chat requests through step 08's server: every request answered, the server alive after.
 
-Starts the server as a process with the engine flags given (as step08_serve/bench_serve.py does), then for
+Starts the server as a process with the engine flags given (as step08_serve/bench/bench_serve.py does), then for
 each burst of `--bursts` (REQUESTSxTOKENS) sends that many streaming chat completions at once, each a user
 message of about TOKENS tokens of text, asking for `--max-tokens` tokens. Checked after each burst, and
 recorded: every response's status, `/health`, and `/metrics` (no request running or waiting, no KV block in
 use). Measured at the client: time to first token (median, 99th percentile, longest) and the time until the
 last request finished. Writes JSON evidence (by default runs/step09_chunked_prefill/burst-serve-<device>-<model>.json).
 
-    .venv/bin/python step09_chunked_prefill/bench_burst_serve.py --bursts 8x300 --max-tokens 8
-    .venv/bin/python step09_chunked_prefill/bench_burst_serve.py --device cuda --model random:qwen2.5-7b \\
+    .venv/bin/python step09_chunked_prefill/bench/bench_burst_serve.py --bursts 8x300 --max-tokens 8
+    .venv/bin/python step09_chunked_prefill/bench/bench_burst_serve.py --device cuda --model random:qwen2.5-7b \\
         --step step13_fused_decode --bursts 64x2000,256x4000
 """
 
@@ -32,7 +32,7 @@ from common.bench import default_output, evidence_header, percentile, write_json
 from common.cli import CommandLineError, Parser, check_args, check_at_least, fail
 from common.loading import embedded_tokenizer
 from common.steps import engine_class
-from step08_serve.bench_serve import engine_argv, server_process
+from step08_serve.bench.bench_serve import engine_argv, server_process
 from step08_serve.run import add_engine_arguments, chosen_step
 
 WORDS_ID_RANGE = (1000, 40000)  # ordinary text pieces of the tokenizer: any of them reads back as text

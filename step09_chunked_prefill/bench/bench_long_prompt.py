@@ -15,8 +15,8 @@ scenarios (`--scenarios`):
 prompt length), which is what step 07 does. A step before 09 has no budget: it runs once, as `none`.
 Writes JSON evidence (by default runs/step09_chunked_prefill/long-prompt-<device>-<model>.json).
 
-    .venv/bin/python step09_chunked_prefill/bench_long_prompt.py                          # CPU, small scale
-    .venv/bin/python step09_chunked_prefill/bench_long_prompt.py --device cuda --model random:qwen2.5-7b \\
+    .venv/bin/python step09_chunked_prefill/bench/bench_long_prompt.py                    # CPU, small scale
+    .venv/bin/python step09_chunked_prefill/bench/bench_long_prompt.py --device cuda --model random:qwen2.5-7b \\
         --step step13_fused_decode --decoders 32 --long-prompt-len 16000 --budgets none,256,512,1024,2048,4096,8192 \\
         --burst-requests 64 --burst-prompt-len 2080
 """

@@ -11,8 +11,8 @@ is built anew for each setting.
 
 Writes JSON evidence (by default runs/step10_prefix_caching/prefix-<device>-<model>.json).
 
-    .venv/bin/python step10_prefix_caching/bench_prefix.py                                  # CPU, small scale
-    .venv/bin/python step10_prefix_caching/bench_prefix.py --device cuda --model random:qwen2.5-7b \\
+    .venv/bin/python step10_prefix_caching/bench/bench_prefix.py                            # CPU, small scale
+    .venv/bin/python step10_prefix_caching/bench/bench_prefix.py --device cuda --model random:qwen2.5-7b \\
         --step step13_fused_decode --requests 64 --prefix-len 2048 --suffix-len 32 --conversations 32 --turns 4 --user-len 256
 """
 

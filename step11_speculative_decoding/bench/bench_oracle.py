@@ -13,8 +13,8 @@ So a run is repeated with the oracle replaying the tokens the last run produced 
 produces exactly what the oracle replayed: then every guess was right with chance a, and the measured time is
 the time at acceptance a. Speed does not depend on which tokens come out, only on how many each row keeps.
 
-    .venv/bin/python step11_speculative_decoding/bench_oracle.py --model tiny-llama --batch-sizes 1,4 --max-tokens 16
-    python step11_speculative_decoding/bench_oracle.py --device cuda --model random:qwen2.5-7b   # the H200 sweep
+    .venv/bin/python step11_speculative_decoding/bench/bench_oracle.py --model tiny-llama --batch-sizes 1,4 --max-tokens 16
+    python step11_speculative_decoding/bench/bench_oracle.py --device cuda --model random:qwen2.5-7b   # the H200 sweep
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from common.loading import ModelLoadError, load_model
 from common.sampling import SamplingParams
 from common.steps import STEP_NAMES, engine_class
 from step11_speculative_decoding.engine import SpeculativeEngine
-from step11_speculative_decoding.oracle import OracleProposer
+from step11_speculative_decoding.bench.oracle import OracleProposer
 
 SPECULATIVE_STEPS = STEP_NAMES[STEP_NAMES.index("step11_speculative_decoding"):]
 

@@ -11,8 +11,8 @@ output tokens per second, the proposals made and kept, the tokens per verificati
 tokens equal the baseline's (they must). Writes JSON evidence (by default
 runs/step11_speculative_decoding/speculative-<device>-<model>.json).
 
-    .venv/bin/python step11_speculative_decoding/bench_speculative.py                       # CPU, the embedded model
-    .venv/bin/python step11_speculative_decoding/bench_speculative.py --ks 4 --max-tokens 32
+    .venv/bin/python step11_speculative_decoding/bench/bench_speculative.py                 # CPU, the embedded model
+    .venv/bin/python step11_speculative_decoding/bench/bench_speculative.py --ks 4 --max-tokens 32
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Timing replays a CUDA graph of many calls (step06's `timed_ms`). Achieved bandwi
 bytes. Writes JSON evidence with every setting's time, the best one per point, and cuBLAS's (by default
 runs/step13_fused_decode/matmul-bench-cuda-<config>.json, ignored by git).
 
-    .venv/bin/python step13_fused_decode/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16
+    .venv/bin/python step13_fused_decode/bench/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import triton
 from common.bench import default_output, evidence_header, write_json
 from common.cli import CommandLineError, Parser, check_args, fail, parse_sizes
 from common.config import ModelConfig, load_bundled_config
-from step06_paged_attention.kernel_bench import copy_bandwidth_gbs, timed_ms
+from step06_paged_attention.bench.kernel_bench import copy_bandwidth_gbs, timed_ms
 from step13_fused_decode.skinny_matmul import SkinnyConfig, skinny_linear
 
 L2_MULTIPLE = 8  # the copies of a weight together hold this many times the L2 cache (H200: 50 MB)

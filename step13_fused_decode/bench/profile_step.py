@@ -11,7 +11,7 @@ multiply, without and with programmatic dependent launch), this script puts that
 - the weight-read ceiling: the bytes of every weight a step reads, over the device's copy bandwidth.
 Writes JSON evidence (by default runs/step13_fused_decode/profile-cuda-<model>.json, ignored by git).
 
-    .venv/bin/python step13_fused_decode/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 --context 160
+    .venv/bin/python step13_fused_decode/bench/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 --context 160
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from common.cli import CommandLineError, Parser, check_at_least, fail, parse_nam
 from common.config import weight_params_per_decode_step
 from common.loading import LoadedModel, load_model
 from common.sampling import SamplingParams
-from step06_paged_attention.kernel_bench import copy_bandwidth_gbs
+from step06_paged_attention.bench.kernel_bench import copy_bandwidth_gbs
 from step12_cuda_graph.decode_graphs import DecodeBatch
 from step05_profiling.kernels import category_of  # the one list of kernel names, shared with step 05's profiler
 from step13_fused_decode.engine import FusedDecodeEngine, FusedDecodeEngineConfig

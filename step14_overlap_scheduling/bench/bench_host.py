@@ -7,7 +7,7 @@ any of it, so this time adds to every step. Measured here on the CPU with a tiny
 phases timed by the host's clock (its seams, without the profiler), at several batch sizes with long prompts. Writes JSON evidence (by
 default runs/step14_overlap_scheduling/host-per-step-cpu.json, ignored by git).
 
-    .venv/bin/python step14_overlap_scheduling/bench_host.py --batches 32,128,256
+    .venv/bin/python step14_overlap_scheduling/bench/bench_host.py --batches 32,128,256
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Per decode step it reports:
 - the step's wall time, and output tokens per second.
 Without overlap a step costs about host + GPU; with it, about the larger of the two.
 
-    .venv/bin/python step14_overlap_scheduling/bench_overlap.py --device cuda --model random:qwen2.5-7b --batches 1,8,64
+    .venv/bin/python step14_overlap_scheduling/bench/bench_overlap.py --device cuda --model random:qwen2.5-7b --batches 1,8,64
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ Every part runs step 15's engine twice, with `--batch-invariant` off and on, ove
 - `nanovllm`: the 256-sequence workload (lengths uniform in [100, 1024]).
 Speeds are reported with the mode on as a ratio of off, measured in the same process.
 
-    .venv/bin/python step15_batch_invariant/bench_invariance.py --parts together,speculation --requests 8 --max-tokens 24
-    python step15_batch_invariant/bench_invariance.py --device cuda --model random:qwen2.5-7b \\
+    .venv/bin/python step15_batch_invariant/bench/bench_invariance.py --parts together,speculation --requests 8 --max-tokens 24
+    python step15_batch_invariant/bench/bench_invariance.py --device cuda --model random:qwen2.5-7b \\
         --parts together,server,speculation,decode --output results/gpu/batch-invariance.json
 """
 
@@ -35,7 +35,7 @@ from common.cli import CommandLineError, Parser, check_args, check_at_least, fai
 from common.loading import EMBEDDED_MODEL, LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
-from step08_serve.bench_serve import server_process
+from step08_serve.bench.bench_serve import server_process
 from step15_batch_invariant.engine import BatchInvariantEngine, BatchInvariantEngineConfig
 
 PARTS = ("together", "server", "speculation", "decode", "nanovllm")

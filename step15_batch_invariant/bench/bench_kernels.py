@@ -11,7 +11,7 @@ Two parts, each timed as a replayed CUDA graph (step 06's `timed_ms`), so a figu
   KV head) and with as many as the engine picks for the batch; whether both give each token the bits it gets
   as a one-row prefill chunk.
 
-    python step15_batch_invariant/bench_kernels.py --output results/gpu/batch-invariance-kernels.json
+    python step15_batch_invariant/bench/bench_kernels.py --output results/gpu/batch-invariance-kernels.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from common.bench import default_output, evidence_header, write_json
 from common.cli import CommandLineError, Parser, check_device, fail, parse_names, parse_sizes
 from common.config import ModelConfig, bundled_config_names, load_bundled_config
 from step06_paged_attention.backends import TritonBackend
-from step06_paged_attention.kernel_bench import timed_ms
+from step06_paged_attention.bench.kernel_bench import timed_ms
 from step06_paged_attention.triton_kernels import paged_decode, paged_prefill
 from step15_batch_invariant.attention import InvariantTritonBackend
 from step15_batch_invariant.decode_kernel import attend_in_pieces, pieces_decode

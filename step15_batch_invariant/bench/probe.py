@@ -13,8 +13,8 @@ is kept. The ops, each first as steps 06 to 14 run it and then as step 15 does:
 
 Writes JSON evidence (`--output`) and prints a table: "same" where every bit matched.
 
-    .venv/bin/python step15_batch_invariant/probe.py --output results/cpu/batch-invariance-probe.json
-    python step15_batch_invariant/probe.py --device cuda --output results/gpu/batch-invariance-probe.json
+    .venv/bin/python step15_batch_invariant/bench/probe.py --output results/cpu/batch-invariance-probe.json
+    python step15_batch_invariant/bench/probe.py --device cuda --output results/gpu/batch-invariance-probe.json
 """
 
 from __future__ import annotations
