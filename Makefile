@@ -48,9 +48,9 @@ exercise: install
 # half an hour on 2 cores), and every table refreshed from them.
 results: install
 	$(BIN)/python compare.py --repeats 3 --output results/cpu/decode-all-steps.json
-	$(BIN)/python step09_chunked_prefill/bench_long_prompt.py --output results/cpu/stall.json
-	$(BIN)/python step10_prefix_caching/bench_prefix.py --output results/cpu/prefix.json
-	$(BIN)/python step14_overlap_scheduling/bench_host.py --batches 32,128,256 --output results/cpu/host-per-step.json
+	$(BIN)/python step09_chunked_prefill/bench/bench_long_prompt.py --output results/cpu/stall.json
+	$(BIN)/python step10_prefix_caching/bench/bench_prefix.py --output results/cpu/prefix.json
+	$(BIN)/python step14_overlap_scheduling/bench/bench_host.py --batches 32,128,256 --output results/cpu/host-per-step.json
 	$(BIN)/python step05_profiling/run.py --no-plot --output results/cpu/profile-steps.json
 	$(BIN)/python scripts/results_table.py --refresh README.md step*/README.md
 

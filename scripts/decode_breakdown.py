@@ -1,4 +1,4 @@
-"""Where a replayed decode step's time goes, read from a profile of `step13_fused_decode/profile_step.py`.
+"""Where a replayed decode step's time goes, read from a profile of `step13_fused_decode/bench/profile_step.py`.
 
 A decode step must read every weight once: the profile's `weight_read_ceiling_ms` (the weights' bytes at the
 copy bandwidth measured in the same run). For each variant and batch in the file, the replayed step is split

@@ -60,7 +60,7 @@ decode_large() {
 
 decode_profile() {
   echo "== where a replayed decode step's GPU time goes (step 12's plain graphs, step 13's fused kernels), batch 1, 8, 64"
-  python step13_fused_decode/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 --output "$G/decode-profile.json"
+  python step13_fused_decode/bench/profile_step.py --model random:qwen2.5-7b --batches 1,8,64 --output "$G/decode-profile.json"
 }
 
 profile_steps() {
@@ -80,25 +80,25 @@ profile_steps() {
 
 overlap() {
   echo "== step 14: a decode step's GPU and host parts, without and with overlap, batch 1, 8, 64"
-  python step14_overlap_scheduling/bench_overlap.py "${SEVEN_B[@]}" --batches 1,8,64 --output "$G/overlap.json"
+  python step14_overlap_scheduling/bench/bench_overlap.py "${SEVEN_B[@]}" --batches 1,8,64 --output "$G/overlap.json"
 }
 
 kernels() {
   echo "== step 06's kernels alone, each checked then timed: paged decode, paged prefill"
   python step06_paged_attention/run.py --kernel-bench --batches 1,8,32,64 --contexts 128,512,2048,8192 \
     --output "$G/kernel-paged-decode.json"
-  python step06_paged_attention/prefill_kernel_bench.py --points 256x16384,1024x16384,2048x2048 \
+  python step06_paged_attention/bench/prefill_kernel_bench.py --points 256x16384,1024x16384,2048x2048 \
     --output "$G/kernel-paged-prefill.json"
 }
 
 matmul() {
   echo "== step 13's skinny matrix multiply against cuBLAS at Qwen2.5-7B's projection shapes, 1 to 16 rows"
-  python step13_fused_decode/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16 --output "$G/kernel-skinny-matmul.json"
+  python step13_fused_decode/bench/matmul_bench.py --config qwen2.5-7b --rows 1,2,4,8,16 --output "$G/kernel-skinny-matmul.json"
 }
 
 step06_parts() {
   echo "== step 06's two changes apart (paged attention, batched prefill), and a .item() in every layer"
-  python step06_paged_attention/bench_prefill.py "${SEVEN_B[@]}" --attn triton --batch-sizes 1,8,64 --prompt-lens 32,1024 \
+  python step06_paged_attention/bench/bench_prefill.py "${SEVEN_B[@]}" --attn triton --batch-sizes 1,8,64 --prompt-lens 32,1024 \
     --max-tokens 128 --output "$G/step06-prefill-vs-paged.json"
   for sync in "" --sync-per-layer; do
     python step06_paged_attention/run.py --bench "${SEVEN_B[@]}" --batch-sizes 1,8,32 --max-tokens 128 --repeats 2 --no-hf \
@@ -108,13 +108,13 @@ step06_parts() {
 
 preempt() {
   echo "== step 07: throughput with a generous and a tight KV budget in both modes, and the swap bandwidth"
-  python step07_preemption/bench_preempt.py "${SEVEN_B[@]}" --output "$G/preempt.json"
+  python step07_preemption/bench/bench_preempt.py "${SEVEN_B[@]}" --output "$G/preempt.json"
 }
 
 serve() {
   echo "== step 08: concurrency through the openai SDK against the bare engine, serving step 07's engine and the final one"
   for step in step07_preemption step14_overlap_scheduling; do
-    python step08_serve/bench_serve.py "${SEVEN_B[@]}" --step "$step" --concurrency 1,8,32 --max-tokens 128 \
+    python step08_serve/bench/bench_serve.py "${SEVEN_B[@]}" --step "$step" --concurrency 1,8,32 --max-tokens 128 \
       --output "$G/serve-${step%%_*}.json"
   done
 }
@@ -123,31 +123,31 @@ stall() {
   echo "== 32 decoders and one 16,000-token prompt: step 07 (no budget), step 09 (eager mixed steps) and step 12 (mixed"
   echo "   steps as graphs) per budget, the final engine at its default"
   local stall=(--scenarios stall --decoders 32 --long-prompt-len 16000)
-  python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" "${stall[@]}" --step step07_preemption \
+  python step09_chunked_prefill/bench/bench_long_prompt.py "${SEVEN_B[@]}" "${stall[@]}" --step step07_preemption \
     --output "$G/stall-step07.json"
   for step in step09_chunked_prefill step12_cuda_graph; do
-    python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" "${stall[@]}" --step "$step" \
+    python step09_chunked_prefill/bench/bench_long_prompt.py "${SEVEN_B[@]}" "${stall[@]}" --step "$step" \
       --budgets none,256,512,1024,2048 --output "$G/stall-${step%%_*}.json"
   done
-  python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" "${stall[@]}" --step step14_overlap_scheduling \
+  python step09_chunked_prefill/bench/bench_long_prompt.py "${SEVEN_B[@]}" "${stall[@]}" --step step14_overlap_scheduling \
     --budgets none,default --output "$G/stall-step14.json"
 }
 
 bursts() {
   echo "== 64 prompts of 2,080 tokens at once to the bare engine (step 07, the final engine); bursts through the server"
   local burst=(--scenarios burst --burst-requests 64 --burst-prompt-len 2080)
-  python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" "${burst[@]}" --step step07_preemption \
+  python step09_chunked_prefill/bench/bench_long_prompt.py "${SEVEN_B[@]}" "${burst[@]}" --step step07_preemption \
     --output "$G/burst-step07.json"
-  python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" "${burst[@]}" --step step14_overlap_scheduling \
+  python step09_chunked_prefill/bench/bench_long_prompt.py "${SEVEN_B[@]}" "${burst[@]}" --step step14_overlap_scheduling \
     --budgets default --output "$G/burst-step14.json"
-  python step09_chunked_prefill/bench_burst_serve.py "${SEVEN_B[@]}" --bursts 64x2000,256x4000 --max-tokens 16 \
+  python step09_chunked_prefill/bench/bench_burst_serve.py "${SEVEN_B[@]}" --bursts 64x2000,256x4000 --max-tokens 16 \
     --output "$G/burst-serve.json"
 }
 
 prefix() {
   echo "== 64 requests sharing a 2,048-token prefix, and 32 conversations x 4 turns, caching on and off"
   for step in step10_prefix_caching step14_overlap_scheduling; do
-    python step10_prefix_caching/bench_prefix.py "${SEVEN_B[@]}" --step "$step" --requests 64 --prefix-len 2048 \
+    python step10_prefix_caching/bench/bench_prefix.py "${SEVEN_B[@]}" --step "$step" --requests 64 --prefix-len 2048 \
       --suffix-len 32 --conversations 32 --turns 4 --user-len 256 --output "$G/prefix-${step%%_*}.json"
   done
 }
@@ -167,29 +167,29 @@ speculative() {
   # Every step verifies (both costs 0): a verification step's cost against a decode step's, per batch and k, with
   # every proposal right. In bf16 a verification row breaks random weights' near-ties unlike a decode step, so the
   # oracle replays the tokens of its own last run until they hold (bench_oracle.py --rounds).
-  python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 1,4,8 \
+  python step11_speculative_decoding/bench/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 1,4,8 \
     --acceptances 1 --token-cost 0 --step-cost 0 --max-tokens 64 --output "$G/speculative-verify-step.json"
   # The sweep under the rule with the engine's GPU costs: what speculation gains at acceptance a; an always-wrong
   # oracle must cost nothing, a good one must not lose at batch 64.
-  python step11_speculative_decoding/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 2,4,8 \
+  python step11_speculative_decoding/bench/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 2,4,8 \
     --acceptances 0,0.5,0.7,0.9 --max-tokens 64 --output "$G/speculative-sweep.json"
 }
 
 batch_invariant() {
   echo "== step 15: which ops change a row with its batch; 32 requests together and one at a time (engine, then server);"
   echo "   speculation (the target as its own draft) on and off; a budget of 256 tokens, so that prompts sent together are cut into chunks"
-  python step15_batch_invariant/probe.py --device cuda --output "$G/batch-invariance-probe.json"
-  python step15_batch_invariant/bench_invariance.py "${SEVEN_B[@]}" --parts together,speculation,server \
+  python step15_batch_invariant/bench/probe.py --device cuda --output "$G/batch-invariance-probe.json"
+  python step15_batch_invariant/bench/bench_invariance.py "${SEVEN_B[@]}" --parts together,speculation,server \
     --draft-model random:qwen2.5-7b --requests 32 --max-tokens 64 --max-num-batched-tokens 256 --output "$G/batch-invariance.json"
 }
 
 batch_invariant_cost() {
   echo "== step 15's cost, mode on against off: decode at batch 1/8/64 and one 4,000-token prompt (7B), the 256-sequence workload (0.6B);"
   echo "   its kernels against cuBLAS and step 06's decode kernel, with the multiply's tile sweep"
-  python step15_batch_invariant/bench_kernels.py --output "$G/batch-invariance-kernels.json"
-  python step15_batch_invariant/bench_invariance.py "${SEVEN_B[@]}" --parts decode --batches 1,8,64 --long-prompt 4000 \
+  python step15_batch_invariant/bench/bench_kernels.py --output "$G/batch-invariance-kernels.json"
+  python step15_batch_invariant/bench/bench_invariance.py "${SEVEN_B[@]}" --parts decode --batches 1,8,64 --long-prompt 4000 \
     --output "$G/batch-invariance-cost.json"
-  python step15_batch_invariant/bench_invariance.py --device cuda --model random:qwen3-0.6b --parts nanovllm \
+  python step15_batch_invariant/bench/bench_invariance.py --device cuda --model random:qwen3-0.6b --parts nanovllm \
     --output "$G/batch-invariance-nanovllm.json"
 }
 
@@ -197,10 +197,10 @@ multi_gpu() {
   echo "== step 04 on two GPUs (nvidia-h200-x2): the dry run over NCCL, tensor parallel 2 against 1, replicas 2 against 1, a burst through the server over 2 ranks"
   echo "   (step 12's engine: step 13's fused kernels are not split yet)"
   python step04_multi_gpu/run.py --dry-run --device cuda --step step12_cuda_graph 2>&1 | tee "$G/step04-dry-run-nccl.txt"
-  python step04_multi_gpu/bench_tensor_parallel.py "${SEVEN_B[@]}" --sizes 1,2 --batch-sizes 1,8,64 \
+  python step04_multi_gpu/bench/bench_tensor_parallel.py "${SEVEN_B[@]}" --sizes 1,2 --batch-sizes 1,8,64 \
     --step step12_cuda_graph --output "$G/tensor-parallel.json"
-  python step04_multi_gpu/bench_replicas.py --device cuda --model random:qwen3-0.6b --sizes 1,2 --output "$G/replicas.json"
-  python step09_chunked_prefill/bench_burst_serve.py "${SEVEN_B[@]}" --step step12_cuda_graph --tensor-parallel-size 2 \
+  python step04_multi_gpu/bench/bench_replicas.py --device cuda --model random:qwen3-0.6b --sizes 1,2 --output "$G/replicas.json"
+  python step09_chunked_prefill/bench/bench_burst_serve.py "${SEVEN_B[@]}" --step step12_cuda_graph --tensor-parallel-size 2 \
     --bursts 64x2000 --output "$G/burst-serve-tp2.json"
 }
 
@@ -228,7 +228,7 @@ unchanged() {
 
 unchanged_workloads() {
   echo "== the final engine, speculation off, against OLD_TREE: the stall at its default budget, the 256-sequence workload"
-  in_both_trees python step09_chunked_prefill/bench_long_prompt.py "${SEVEN_B[@]}" --scenarios stall --decoders 32 \
+  in_both_trees python step09_chunked_prefill/bench/bench_long_prompt.py "${SEVEN_B[@]}" --scenarios stall --decoders 32 \
     --long-prompt-len 16000 --step step14_overlap_scheduling --budgets default --output "{out}/unchanged-stall-{name}.json"
   in_both_trees python step14_overlap_scheduling/run.py --bench --workload nanovllm --model random:qwen3-0.6b \
     --device cuda --no-hf --bench-output "{out}/unchanged-nanovllm-{name}.json"

@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/plot_budget_sweep.py results/gpu/stall-step09.json --output runs/stall-step09.png
 
-Reads the evidence of `step09_chunked_prefill/bench_long_prompt.py` (its "stall" rows) and writes a PNG next
+Reads the evidence of `step09_chunked_prefill/bench/bench_long_prompt.py` (its "stall" rows) and writes a PNG next
 to it (or to --output): one point per budget, x the long prompt's time to first token, y the decoders'
 longest gap between two tokens as a multiple of their steady step. Every figure drawn is one in the file.
 """

@@ -5,7 +5,7 @@ decoding's, for each k, from what a verification step costs.
         --measured results/cpu/speculative-oracle.json --points results/gpu/speculative-sweep.json \\
         --output results/gpu/speculative-expected.png
 
-Reads the evidence of `step11_speculative_decoding/bench_oracle.py`. A curve per batch and k of the first file:
+Reads the evidence of `step11_speculative_decoding/bench/bench_oracle.py`. A curve per batch and k of the first file:
 the step's cost against a decode step's (measured), divided by E = 1 + a + ... + a^k (the expected tokens per
 row) for a from 0 to 1. With --measured, the points of a second file where the oracle's a is exact (float32),
 time per token as measured, beside its own curves: the check that the curves can be trusted. With --points,

@@ -31,7 +31,7 @@ def span(values: list[float], unit: str) -> str:
 
 
 def render_preempt(path: str, doc: Doc) -> list[str]:
-    """step07_preemption/bench_preempt.py: per KV budget and preemption mode, the throughput and what preemption
+    """step07_preemption/bench/bench_preempt.py: per KV budget and preemption mode, the throughput and what preemption
     cost."""
     rows = [[f"{r['budget']} ({r['num_blocks']} blocks)", r["preempt"], f"{r['output_tok_per_s']:.1f}",
              str(r["preemptions"]), str(r["swapped_blocks"]),
@@ -41,7 +41,7 @@ def render_preempt(path: str, doc: Doc) -> list[str]:
 
 
 def render_serve(path: str, doc: Doc) -> list[str]:
-    """step08_serve/bench_serve.py: per concurrency, the server through the SDK against the first concurrency
+    """step08_serve/bench/bench_serve.py: per concurrency, the server through the SDK against the first concurrency
     measured and against the bare engine given the same requests."""
     runs = doc["runs"]
     base = runs[0]
@@ -68,7 +68,7 @@ def out_of_memory(row: Doc) -> str:
 
 
 def render_stall(path: str, doc: Doc) -> list[str]:
-    """step09_chunked_prefill/bench_long_prompt.py's stall: decoders decoding when one long prompt arrives. Per
+    """step09_chunked_prefill/bench/bench_long_prompt.py's stall: decoders decoding when one long prompt arrives. Per
     budget: the steps until its first token, how long they took, the decoders' longest wait between two tokens
     against their steady step, and the prompt's time to first token (against no budget, where the file has it)."""
     rows = doc["stall"]
@@ -90,7 +90,7 @@ def render_stall(path: str, doc: Doc) -> list[str]:
 
 
 def render_burst(path: str, doc: Doc) -> list[str]:
-    """step09_chunked_prefill/bench_long_prompt.py's burst: many long prompts at once on the bare engine. Per
+    """step09_chunked_prefill/bench/bench_long_prompt.py's burst: many long prompts at once on the bare engine. Per
     budget: whether every request was answered (or the engine ran out of memory), how fast, and what it left."""
     requests = doc["settings"]["burst_requests"]
     header = ["budget (tokens)", "answered", "all done in", "TTFT median", "TTFT longest", "output tok/s",
@@ -107,7 +107,7 @@ def render_burst(path: str, doc: Doc) -> list[str]:
 
 
 def render_burst_serve(path: str, doc: Doc) -> list[str]:
-    """step09_chunked_prefill/bench_burst_serve.py: per burst of chat requests through the server, how many were
+    """step09_chunked_prefill/bench/bench_burst_serve.py: per burst of chat requests through the server, how many were
     answered, how fast, and the server's state after it (/health, and /metrics' running, waiting, blocks used)."""
     rows = [[f"{r['requests']:,}", f"{r['prompt_tokens_mean']:,.0f}", f"{r['answered']:,} of {r['requests']:,}",
              f"{r['elapsed_s']:.1f} s", f"{r['ttft_ms_p50'] / 1e3:.1f} s", f"{r['ttft_ms_p99'] / 1e3:.1f} s",
@@ -119,7 +119,7 @@ def render_burst_serve(path: str, doc: Doc) -> list[str]:
     return markdown(header, rows, text_columns=0)
 
 
-# step10_prefix_caching/bench_prefix.py's scenarios: their columns, and each column's figure of a run.
+# step10_prefix_caching/bench/bench_prefix.py's scenarios: their columns, and each column's figure of a run.
 PREFIX_SCENARIOS: dict[str, list[tuple[str, Callable[[Doc], str]]]] = {
     "shared": [("shared prefix: prompt tokens sent", lambda r: f"{r['prompt_tokens_sent']:,}"),
                ("shared prefix: computed", lambda r: f"{r['prompt_tokens_computed']:,}"),
@@ -134,8 +134,8 @@ PREFIX_SCENARIOS: dict[str, list[tuple[str, Callable[[Doc], str]]]] = {
 
 
 def render_prefix(path: str, doc: Doc) -> list[str]:
-    """step10_prefix_caching/bench_prefix.py: caching off, then on, on each scenario the file holds (prompts sharing
-    a prefix; multi-turn chat): the prompt tokens sent and computed, and what that bought."""
+    """step10_prefix_caching/bench/bench_prefix.py: caching off, then on, on each scenario the file holds (prompts
+    sharing a prefix; multi-turn chat): the prompt tokens sent and computed, and what that bought."""
     run = {(r["prefix_caching"], r["scenario"]): r for r in doc["runs"]}
     scenarios = list(dict.fromkeys(r["scenario"] for r in doc["runs"]))
     columns = [(scenario, name, figure) for scenario in scenarios for name, figure in PREFIX_SCENARIOS[scenario]]
@@ -149,7 +149,7 @@ def render_prefix(path: str, doc: Doc) -> list[str]:
 
 
 def render_kernel_bench(path: str, doc: Doc) -> list[str]:
-    """step06_paged_attention/kernel_bench.py (`run.py --kernel-bench`): the decode kernel per batch and context,
+    """step06_paged_attention/bench/kernel_bench.py (`run.py --kernel-bench`): the decode kernel per batch and context,
     checked then timed, against the device's copy bandwidth and dense SDPA on the same K/V."""
     header = ["batch x context", "K/V read", "splits", "GPU time", "our kernel", "% of copy", "dense SDPA",
               "kernel / SDPA"]
@@ -167,8 +167,8 @@ def render_kernel_bench(path: str, doc: Doc) -> list[str]:
 
 
 def render_prefill_kernel_bench(path: str, doc: Doc) -> list[str]:
-    """step06_paged_attention/prefill_kernel_bench.py: the paged prefill kernel's useful TFLOP/s, one row per launch
-    (query rows and keys a program, warps, stages), one column per chunk of new tokens over a cached prefix."""
+    """step06_paged_attention/bench/prefill_kernel_bench.py: the paged prefill kernel's useful TFLOP/s, one row per
+    launch (query rows and keys a program, warps, stages), one column per chunk of new tokens over a cached prefix."""
     def point(config: Doc) -> tuple[int, int]:
         return config["q_len"], config["context"]
 
@@ -195,7 +195,7 @@ ELEMENT_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def render_matmul_bench(path: str, doc: Doc) -> list[str]:
-    """step13_fused_decode/matmul_bench.py: per projection and number of rows, cuBLAS against the skinny multiply
+    """step13_fused_decode/bench/matmul_bench.py: per projection and number of rows, cuBLAS against the skinny multiply
     with the settings the engine launches (`skinny_config`'s), as time per call and the weight's bytes per second."""
     # Imported here: it loads torch and Triton, which no other table needs. Its defaults are the H200's, the
     # device of these files.
@@ -220,8 +220,8 @@ def render_matmul_bench(path: str, doc: Doc) -> list[str]:
 
 
 def render_profile(path: str, doc: Doc) -> list[str]:
-    """step13_fused_decode/profile_step.py: per batch and variant, a replayed decode step, its kernels and their GPU
-    time by category, and the time to read the weights once at the copy bandwidth as a share of the step."""
+    """step13_fused_decode/bench/profile_step.py: per batch and variant, a replayed decode step, its kernels and their
+    GPU time by category, and the time to read the weights once at the copy bandwidth as a share of the step."""
     points = doc["points"]
     categories = list(dict.fromkeys(c for p in points for c in p["ms_per_step_by_category"]))
     ceiling = doc["weight_read_ceiling_ms"]
@@ -233,7 +233,7 @@ def render_profile(path: str, doc: Doc) -> list[str]:
 
 
 def render_overlap(path: str, doc: Doc) -> list[str]:
-    """step14_overlap_scheduling/bench_overlap.py: per batch, a decode step's parts without and with overlap
+    """step14_overlap_scheduling/bench/bench_overlap.py: per batch, a decode step's parts without and with overlap
     (ms per step)."""
     rows = []
     for row in doc["rows"]:
@@ -247,7 +247,7 @@ def render_overlap(path: str, doc: Doc) -> list[str]:
 
 
 def render_host_per_step(path: str, doc: Doc) -> list[str]:
-    """step14_overlap_scheduling/bench_host.py: per batch, a decode step's time by phase (the host's and the
+    """step14_overlap_scheduling/bench/bench_host.py: per batch, a decode step's time by phase (the host's and the
     model's)."""
     phases = list(dict.fromkeys(phase for row in doc["rows"] for phase in row["ms_per_step"]))
     rows = [[str(row["batch"]), *(f"{row['ms_per_step'][phase]:.2f} ms" for phase in phases)] for row in doc["rows"]]
@@ -262,7 +262,7 @@ def render_checkpoint_memory(path: str, doc: Doc) -> list[str]:
 
 
 def render_speculative(path: str, doc: Doc) -> list[str]:
-    """step11_speculative_decoding/bench_speculative.py: per workload and k (0: speculation off), under the rule
+    """step11_speculative_decoding/bench/bench_speculative.py: per workload and k (0: speculation off), under the rule
     or with every proposal checked, the proposals kept, tokens per verification row, speed and sameness."""
     rows = []
     for run in doc["runs"]:
@@ -290,7 +290,7 @@ def replays(run: dict) -> str:
 
 
 def render_oracle(path: str, doc: Doc) -> list[str]:
-    """step11_speculative_decoding/bench_oracle.py: per batch, k and the oracle's acceptance (k 0: speculation
+    """step11_speculative_decoding/bench/bench_oracle.py: per batch, k and the oracle's acceptance (k 0: speculation
     off), a step's time against a decode step's, tokens per verification row as measured and as expected,
     E = 1 + a + ... + a^k, time per output token as measured and as expected (the step's cost over E), whether the
     tokens are speculation off's, and whether the oracle's tokens were the run's own (so its a held)."""
@@ -326,7 +326,7 @@ def render_oracle_sweep(path: str, doc: Doc) -> list[str]:
 
 
 def render_tensor_parallel(path: str, doc: Doc) -> list[str]:
-    """step04_multi_gpu/bench_tensor_parallel.py: per size and batch, a decode step's time, the time per output
+    """step04_multi_gpu/bench/bench_tensor_parallel.py: per size and batch, a decode step's time, the time per output
     token against one process, and rank 0's all-reduces per step (count, bytes each, host time inside them)."""
     rows = [[str(r["tensor_parallel_size"]), str(r["batch"]), f"{r['ms_per_step']:.2f} ms",
              f"{r['time_per_token_vs_one']:.2f}x", f"{r['all_reduces_per_step']:.0f}",
@@ -375,7 +375,7 @@ def render_step_breakdown(path: str, doc: Doc) -> list[str]:
 
 
 def render_invariance_probe(path: str, doc: Doc) -> list[str]:
-    """step15_batch_invariant/probe.py: per op and version, the call sizes at which the probed row came out with
+    """step15_batch_invariant/bench/probe.py: per op and version, the call sizes at which the probed row came out with
     other bits than alone, and by how much at most."""
     rows = []
     for r in doc["results"]:
@@ -392,7 +392,7 @@ INVARIANCE_PARTS = {"together": "together, then one at a time: same tokens",
 
 
 def render_invariance(path: str, doc: Doc) -> list[str]:
-    """step15_batch_invariant/bench_invariance.py: per comparison, how many requests came back the same, with
+    """step15_batch_invariant/bench/bench_invariance.py: per comparison, how many requests came back the same, with
     the mode off and on."""
     rows = [[INVARIANCE_PARTS[part], *(f"{doc[part][m]['same']} of {doc[part][m]['requests']}" for m in ("off", "on"))]
             for part in INVARIANCE_PARTS if part in doc]
@@ -408,7 +408,7 @@ def render_invariance_cost(path: str, doc: Doc) -> list[str]:
 
 
 def render_invariance_matmul(path: str, doc: Doc) -> list[str]:
-    """step15_batch_invariant/bench_kernels.py's matmul part: per row count, a decode step's multiplies (every
+    """step15_batch_invariant/bench/bench_kernels.py's matmul part: per row count, a decode step's multiplies (every
     layer's, then the output head) by cuBLAS and by ours in the engine's tiles, and how many tiles of the sweep
     gave the bits of the engine's tile and of the row alone."""
     rows = []

@@ -11,29 +11,29 @@ The kind of a file is read from what it holds (scripts/renderers.py: `RENDERERS`
     runs, pivot           compare.py, run.py --bench (also --workload nanovllm): gpu/decode-*.json,
                           gpu/nanovllm-*.json, gpu/step06-*.json, cpu/decode-all-steps.json;
                           pivot is the same runs as tok/s only, batch x system
-    preempt               step07_preemption/bench_preempt.py: gpu/preempt.json
-    serve                 step08_serve/bench_serve.py: gpu/serve-*.json
-    stall, burst          step09_chunked_prefill/bench_long_prompt.py: gpu/stall-*.json, gpu/burst-*.json,
+    preempt               step07_preemption/bench/bench_preempt.py: gpu/preempt.json
+    serve                 step08_serve/bench/bench_serve.py: gpu/serve-*.json
+    stall, burst          step09_chunked_prefill/bench/bench_long_prompt.py: gpu/stall-*.json, gpu/burst-*.json,
                           cpu/stall.json (a file holding both scenarios is shown as stall; --kind burst for the other)
-    burst-serve           step09_chunked_prefill/bench_burst_serve.py: gpu/burst-serve.json
-    prefix                step10_prefix_caching/bench_prefix.py: gpu/prefix-*.json, cpu/prefix.json
+    burst-serve           step09_chunked_prefill/bench/bench_burst_serve.py: gpu/burst-serve.json
+    prefix                step10_prefix_caching/bench/bench_prefix.py: gpu/prefix-*.json, cpu/prefix.json
     kernel-bench          step06_paged_attention/run.py --kernel-bench: gpu/kernel-paged-decode*.json
-    prefill-kernel-bench  step06_paged_attention/prefill_kernel_bench.py: gpu/kernel-paged-prefill.json
-    matmul-bench          step13_fused_decode/matmul_bench.py: gpu/kernel-skinny-matmul.json
-    profile, breakdown    step13_fused_decode/profile_step.py: gpu/decode-profile.json; breakdown splits each
+    prefill-kernel-bench  step06_paged_attention/bench/prefill_kernel_bench.py: gpu/kernel-paged-prefill.json
+    matmul-bench          step13_fused_decode/bench/matmul_bench.py: gpu/kernel-skinny-matmul.json
+    profile, breakdown    step13_fused_decode/bench/profile_step.py: gpu/decode-profile.json; breakdown splits each
                           replayed step into the weight read and what lies above it (scripts/decode_breakdown.py)
-    overlap               step14_overlap_scheduling/bench_overlap.py: gpu/overlap.json
-    host-per-step         step14_overlap_scheduling/bench_host.py: cpu/host-per-step.json
+    overlap               step14_overlap_scheduling/bench/bench_overlap.py: gpu/overlap.json
+    host-per-step         step14_overlap_scheduling/bench/bench_host.py: cpu/host-per-step.json
     checkpoint-memory     scripts/check_checkpoint_memory.py: gpu/checkpoint-load-memory-*.json
-    speculative           step11_speculative_decoding/bench_speculative.py: cpu/speculative.json
-    oracle, oracle-sweep  step11_speculative_decoding/bench_oracle.py: gpu/speculative-*.json; oracle-sweep is the
+    speculative           step11_speculative_decoding/bench/bench_speculative.py: cpu/speculative.json
+    oracle, oracle-sweep  step11_speculative_decoding/bench/bench_oracle.py: gpu/speculative-*.json; oracle-sweep is the
                           time per token only, batch and k x acceptance
-    tensor-parallel       step04_multi_gpu/bench_tensor_parallel.py: cpu/tensor-parallel.json
-    invariance-probe      step15_batch_invariant/probe.py: */batch-invariance-probe.json
-    invariance,           step15_batch_invariant/bench_invariance.py: */batch-invariance*.json; invariance-cost is
+    tensor-parallel       step04_multi_gpu/bench/bench_tensor_parallel.py: cpu/tensor-parallel.json
+    invariance-probe      step15_batch_invariant/bench/probe.py: */batch-invariance-probe.json
+    invariance,           step15_batch_invariant/bench/bench_invariance.py: */batch-invariance*.json; invariance-cost is
     invariance-cost       the speed parts (mode on against off)
-    invariance-matmul,    step15_batch_invariant/bench_kernels.py: gpu/batch-invariance-kernels.json; the multiply's
-    invariance-attention  tiles against cuBLAS, and decode attention three ways
+    invariance-matmul,    step15_batch_invariant/bench/bench_kernels.py: gpu/batch-invariance-kernels.json; the
+    invariance-attention  multiply's tiles against cuBLAS, and decode attention three ways
 
 In a README, every table generated here starts with its source line (`<!-- results/....json: ... -->`);
 `--refresh` regenerates each such table in place, as the kind whose header shares the most columns with the

@@ -32,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 if __name__ == "__main__":
-    if "--kernel-bench" in sys.argv:  # a mode of its own, with its own options (see kernel_bench.py)
-        from step06_paged_attention.kernel_bench import main as kernel_bench
+    if "--kernel-bench" in sys.argv:  # a mode of its own, with its own options (see bench/kernel_bench.py)
+        from step06_paged_attention.bench.kernel_bench import main as kernel_bench
 
         raise SystemExit(kernel_bench([a for a in sys.argv[1:] if a != "--kernel-bench"]))
     raise SystemExit(main("step06_paged_attention", __doc__, add_arguments=add_arguments))

@@ -4,7 +4,7 @@ Examples:
     .venv/bin/python step09_chunked_prefill/run.py --dry-run                                # tiny models, parity with HF
     .venv/bin/python step09_chunked_prefill/run.py --max-num-batched-tokens 16             # chunks of the demo prompts
     .venv/bin/python step09_chunked_prefill/run.py --max-num-batched-tokens 16 --block-size 4 --num-blocks 40
-    .venv/bin/python step09_chunked_prefill/bench_long_prompt.py                           # decoders vs one long prompt
+    .venv/bin/python step09_chunked_prefill/bench/bench_long_prompt.py                     # decoders vs one long prompt
 """
 
 import argparse

@@ -3,7 +3,7 @@
 Examples:
     .venv/bin/python step10_prefix_caching/run.py --dry-run                          # tiny models, parity with HF
     .venv/bin/python step10_prefix_caching/run.py --no-enable-prefix-caching         # step 09's behaviour
-    .venv/bin/python step10_prefix_caching/bench_prefix.py                           # shared prefixes and multi-turn chat
+    .venv/bin/python step10_prefix_caching/bench/bench_prefix.py                     # shared prefixes and multi-turn chat
 """
 
 import argparse

@@ -6,7 +6,7 @@ Examples:
     .venv/bin/python step11_speculative_decoding/run.py                                    # the embedded model, k = 4
     .venv/bin/python step11_speculative_decoding/run.py --speculative-method draft --draft-model tiny-llama
     .venv/bin/python step11_speculative_decoding/run.py --speculative-tokens 0             # step 10's decoding
-    .venv/bin/python step11_speculative_decoding/bench_speculative.py                      # acceptance and speed-up
+    .venv/bin/python step11_speculative_decoding/bench/bench_speculative.py                # acceptance and speed-up
 """
 
 import argparse

@@ -4,7 +4,7 @@ step 14 as it is.
 
 Examples:
     .venv/bin/python step15_batch_invariant/run.py --dry-run --batch-invariant    # tiny models, parity with HF (on CPU)
-    .venv/bin/python step15_batch_invariant/probe.py                               # which ops change with the batch here
+    .venv/bin/python step15_batch_invariant/bench/probe.py                         # which ops change with the batch here
     .venv/bin/python step15_batch_invariant/run.py --bench --device cuda --model random:qwen2.5-7b --batch-invariant
 """
 

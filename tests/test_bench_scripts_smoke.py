@@ -30,7 +30,7 @@ def test_compare(tmp_path: Path) -> None:
 
 
 def test_bench_prefill(tmp_path: Path) -> None:
-    from step06_paged_attention import bench_prefill
+    from step06_paged_attention.bench import bench_prefill
 
     out = tmp_path / "prefill.json"
     assert bench_prefill.main([*TINY, "--attn", "torch", "--batch-sizes", "2", "--prompt-lens", "16",
@@ -39,7 +39,7 @@ def test_bench_prefill(tmp_path: Path) -> None:
 
 
 def test_bench_preempt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from step07_preemption import bench_preempt
+    from step07_preemption.bench import bench_preempt
 
     out = tmp_path / "preempt.json"
     monkeypatch.setattr(sys, "argv", ["bench_preempt.py", *TINY, "--requests", "3", "--min-len", "16",
@@ -51,7 +51,7 @@ def test_bench_preempt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("step", ["step07_preemption", "step14_overlap_scheduling"])
 def test_bench_long_prompt(tmp_path: Path, step: str) -> None:
-    from step09_chunked_prefill import bench_long_prompt
+    from step09_chunked_prefill.bench import bench_long_prompt
 
     out = tmp_path / "long-prompt.json"
     assert bench_long_prompt.main([*TINY, "--step", step, "--budgets", "none", "--decoders", "2",
@@ -62,7 +62,7 @@ def test_bench_long_prompt(tmp_path: Path, step: str) -> None:
 
 
 def test_bench_prefix(tmp_path: Path) -> None:
-    from step10_prefix_caching import bench_prefix
+    from step10_prefix_caching.bench import bench_prefix
 
     out = tmp_path / "prefix.json"
     assert bench_prefix.main([*TINY, "--step", "step14_overlap_scheduling", "--requests", "2", "--prefix-len", "32",
@@ -72,7 +72,7 @@ def test_bench_prefix(tmp_path: Path) -> None:
 
 
 def test_bench_overlap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from step14_overlap_scheduling import bench_overlap
+    from step14_overlap_scheduling.bench import bench_overlap
 
     out = tmp_path / "overlap.json"
     monkeypatch.setattr(sys, "argv", ["bench_overlap.py", *TINY, "--batches", "2", "--prompt-len", "8",
@@ -83,7 +83,7 @@ def test_bench_overlap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bench_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from step14_overlap_scheduling import bench_host
+    from step14_overlap_scheduling.bench import bench_host
 
     out = tmp_path / "host.json"
     monkeypatch.setattr(sys, "argv", ["bench_host.py", "--batches", "2", "--prompt-len", "16", "--steps", "2",
@@ -116,7 +116,7 @@ def test_profile_step_finds_our_attention_kernels() -> None:
 
 def test_bench_oracle_and_its_plot(tmp_path: Path) -> None:
     from scripts import plot_speculative
-    from step11_speculative_decoding import bench_oracle
+    from step11_speculative_decoding.bench import bench_oracle
 
     out = tmp_path / "oracle.json"
     assert bench_oracle.main([*TINY, "--batch-sizes", "1,2", "--ks", "2", "--acceptances", "0,0.9", "--max-tokens", "6",
@@ -129,7 +129,7 @@ def test_bench_oracle_and_its_plot(tmp_path: Path) -> None:
 
 
 def test_bench_tensor_parallel_counts_two_all_reduces_a_layer(tmp_path: Path) -> None:
-    from step04_multi_gpu import bench_tensor_parallel
+    from step04_multi_gpu.bench import bench_tensor_parallel
 
     out = tmp_path / "tp.json"
     assert bench_tensor_parallel.main(["--model", "tiny-qwen3", "--sizes", "1,2", "--batch-sizes", "1,2",
@@ -144,7 +144,7 @@ def test_bench_tensor_parallel_counts_two_all_reduces_a_layer(tmp_path: Path) ->
 
 
 def test_bench_replicas_spreads_a_fixed_workload(tmp_path: Path) -> None:
-    from step04_multi_gpu import bench_replicas
+    from step04_multi_gpu.bench import bench_replicas
 
     out = tmp_path / "replicas.json"
     assert bench_replicas.main(["--model", "tiny-qwen3", "--workload", "fixed", "--batch", "8", "--max-tokens", "4",

@@ -331,13 +331,16 @@ def test_runs_is_ignored_by_git() -> None:
     assert subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=REPO).returncode == 0
 
 
-BENCH_SCRIPTS = ["common/cli.py", "compare.py", "step06_paged_attention/kernel_bench.py",
-                 "step07_preemption/bench_preempt.py", "step08_serve/bench_serve.py",
-                 "step13_fused_decode/profile_step.py", "step13_fused_decode/matmul_bench.py",
-                 "step14_overlap_scheduling/bench_host.py", "step09_chunked_prefill/bench_long_prompt.py",
-                 "step09_chunked_prefill/bench_burst_serve.py", "step06_paged_attention/prefill_kernel_bench.py",
-                 "step10_prefix_caching/bench_prefix.py", "step11_speculative_decoding/bench_speculative.py",
-                 "step11_speculative_decoding/bench_oracle.py"]
+BENCH_SCRIPTS = ["common/cli.py", "compare.py", "step06_paged_attention/bench/kernel_bench.py",
+                 "step07_preemption/bench/bench_preempt.py", "step08_serve/bench/bench_serve.py",
+                 "step13_fused_decode/bench/profile_step.py", "step13_fused_decode/bench/matmul_bench.py",
+                 "step14_overlap_scheduling/bench/bench_host.py",
+                 "step09_chunked_prefill/bench/bench_long_prompt.py",
+                 "step09_chunked_prefill/bench/bench_burst_serve.py",
+                 "step06_paged_attention/bench/prefill_kernel_bench.py",
+                 "step10_prefix_caching/bench/bench_prefix.py",
+                 "step11_speculative_decoding/bench/bench_speculative.py",
+                 "step11_speculative_decoding/bench/bench_oracle.py"]
 
 
 @pytest.mark.parametrize("script", BENCH_SCRIPTS)

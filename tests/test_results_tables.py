@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -258,6 +259,21 @@ def test_every_evidence_file_is_in_the_index() -> None:
     index = (REPO / "results" / "README.md").read_text(encoding="utf-8")
     missing = [f for f in evidence_files() if f"`{f}`" not in index and f"`{Path(f).name}`" not in index]
     assert missing == [], f"list these in results/README.md: {missing}"
+
+
+def test_the_index_lists_only_files_that_are_here() -> None:
+    index = (REPO / "results" / "README.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"`((?:gpu|cpu)/[^`\s]+)`", index))
+    gone = sorted(listed - set(evidence_files()))
+    assert gone == [], f"results/README.md lists files that are no longer here: {gone}"
+
+
+def test_lessons_cite_only_files_that_are_here() -> None:
+    """A removed file is read through `git show` in a step's NOTES.md, never cited by a lesson or the top README."""
+    lessons = [REPO / "README.md", *REPO.glob("step*/README.md")]
+    cited = {m for p in lessons for m in re.findall(r"results/((?:gpu|cpu)/[\w.-]+)", p.read_text(encoding="utf-8"))}
+    gone = sorted(cited - set(evidence_files()))
+    assert gone == [], f"lessons cite files that are not in results/: {gone}"
 
 
 def test_every_evidence_file_is_cited() -> None:

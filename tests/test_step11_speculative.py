@@ -13,7 +13,7 @@ from common.sampling import SamplingParams, SamplingTensors, sample_rows
 from step01_serial.engine import SerialEngine
 from step11_speculative_decoding import verify
 from step11_speculative_decoding.engine import SpeculativeEngine, SpeculativeEngineConfig
-from step11_speculative_decoding.oracle import OracleProposer
+from step11_speculative_decoding.bench.oracle import OracleProposer
 from step11_speculative_decoding.proposers import NgramProposer
 from step11_speculative_decoding.verify import rejection_sample, target_probabilities
 from tests.helpers import (PARITY_MAX_TOKENS, CheckedRun, assert_matches_reference, assert_nothing_left, run_checked,
@@ -247,7 +247,7 @@ def test_embedded_model_speculates_and_gives_hfs_tokens(embedded: LoadedModel, e
 def test_the_benchmark_runs_and_finds_the_same_tokens(tmp_path) -> None:  # noqa: ANN001
     import json
 
-    from step11_speculative_decoding import bench_speculative
+    from step11_speculative_decoding.bench import bench_speculative
 
     out = tmp_path / "speculative.json"
     assert bench_speculative.main(["--model", "tiny-llama", "--ks", "4", "--max-tokens", "16", "--workloads", "chat",

@@ -10,7 +10,7 @@ import torch
 from common.loading import LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
-from step11_speculative_decoding.oracle import OracleProposer
+from step11_speculative_decoding.bench.oracle import OracleProposer
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
 from step12_cuda_graph.verify_graphs import VERIFY_MAX_TOKENS, verify_token_buckets
 from step14_overlap_scheduling.engine import OverlapSchedulingEngine, OverlapSchedulingEngineConfig
