@@ -222,15 +222,15 @@ in_both_trees() {
 
 unchanged() {
   echo "== the final engine, speculation off, against OLD_TREE: decode at batch 1, 8, 64"
-  in_both_trees python step14_overlap_scheduling/run.py --bench "${SEVEN_B[@]}" --no-hf --batch-sizes 1,8,64 \
+  in_both_trees python "${STEPS[-1]}/run.py" --bench "${SEVEN_B[@]}" --no-hf --batch-sizes 1,8,64 \
     --repeats 3 --bench-output "{out}/unchanged-decode-{name}.json"
 }
 
 unchanged_workloads() {
   echo "== the final engine, speculation off, against OLD_TREE: the stall at its default budget, the 256-sequence workload"
   in_both_trees python step09_chunked_prefill/bench/bench_long_prompt.py "${SEVEN_B[@]}" --scenarios stall --decoders 32 \
-    --long-prompt-len 16000 --step step14_overlap_scheduling --budgets default --output "{out}/unchanged-stall-{name}.json"
-  in_both_trees python step14_overlap_scheduling/run.py --bench --workload nanovllm --model random:qwen3-0.6b \
+    --long-prompt-len 16000 --step "${STEPS[-1]}" --budgets default --output "{out}/unchanged-stall-{name}.json"
+  in_both_trees python "${STEPS[-1]}/run.py" --bench --workload nanovllm --model random:qwen3-0.6b \
     --device cuda --no-hf --bench-output "{out}/unchanged-nanovllm-{name}.json"
 }
 
