@@ -364,7 +364,8 @@ class SpeculativeEngine(PrefixCachingEngine):
             assert self.proposer is not None
             self.proposer.rollback(request)
         return RequestOutput(request.request_id, [t for o in outputs for t in o.new_token_ids],
-                             "".join(o.new_text for o in outputs), outputs[-1].finished, outputs[-1].finish_reason)
+                             "".join(o.new_text for o in outputs), outputs[-1].finished, outputs[-1].finish_reason,
+                             request.listener)
 
     # ----- the proposer's state goes where the request's does --------------------------------------------------
 
