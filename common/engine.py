@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -106,9 +107,11 @@ class Engine(ABC):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        listener: Any = None,
     ) -> str:
         """Queue a request. `prompt` is raw text (no chat template: see `Tokenizer.apply_chat_template`)
-        or token ids. Returns the request id. Raises ValueError for a prompt that cannot run."""
+        or token ids; `listener`, if given, comes back on each of its outputs. Returns the request id. Raises
+        ValueError for a prompt that cannot run."""
         params = params or SamplingParams()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.check_prompt(prompt_ids)
@@ -118,6 +121,7 @@ class Engine(ABC):
         request = self.request_class.create(
             request_id, prompt_ids, params, self.tokenizer, self.eos_token_ids, self.max_model_len, priority
         )
+        request.listener = listener
         self.check_request(request)
         self.requests[request_id] = request
         self.waiting.append(request)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from common.sampling import SamplingParams
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -37,6 +38,9 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: FinishReason | None = None
+    # Whatever the caller of `add_request` gave to find the request's outputs by (step 08's server: the request's
+    # stream), handed back with each one, so that no caller keeps a map of request ids.
+    listener: Any = None
 
 
 @dataclass
@@ -67,6 +71,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     text: str = ""  # the output text so far, already cut at a stop string
+    listener: Any = None  # given to `add_request`, handed back on its outputs (see `RequestOutput.listener`)
     _emitted_chars: int = 0  # how much of `text` has been handed out
 
     @classmethod
@@ -128,12 +133,13 @@ class Request:
             self.text += self.detokenizer.flush()  # release a held-back partial character
             self._cut_at_stop_string()
             self.status = RequestStatus.FINISHED
-        return RequestOutput(self.request_id, [token_id], self._take_new_text(), self.finished, self.finish_reason)
+        return RequestOutput(self.request_id, [token_id], self._take_new_text(), self.finished, self.finish_reason,
+                             self.listener)
 
     def abort(self) -> RequestOutput:
         self.status = RequestStatus.FINISHED
         self.finish_reason = FinishReason.ABORT
-        return RequestOutput(self.request_id, [], "", True, FinishReason.ABORT)
+        return RequestOutput(self.request_id, [], "", True, FinishReason.ABORT, self.listener)
 
     def _cut_at_stop_string(self) -> None:
         for stop in self.params.stop:

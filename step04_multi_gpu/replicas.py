@@ -81,6 +81,7 @@ class Routed:
     replica: int
     prompt_left: int  # prompt tokens not yet computed (all of them until the first token comes back)
     to_generate: int
+    listener: Any = None  # `add_request`'s, put back on the outputs that come from another process
 
     @property
     def outstanding(self) -> int:
@@ -143,7 +144,7 @@ class ReplicatedEngine:
     # ----- the engine interface -------------------------------------------------------------------------------
 
     def add_request(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, listener: Any = None) -> str:
         params = params or SamplingParams()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self.engine.check_prompt(prompt_ids)  # the same checks on every replica: refused here, in one line
@@ -152,10 +153,10 @@ class ReplicatedEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         replica, to_compute = self.route(prompt_ids)
         if replica == 0:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, priority=priority)
+            self.engine.add_request(prompt_ids, params, request_id=request_id, priority=priority, listener=listener)
         else:
             self.pending[replica - 1].append(("add", prompt_ids, params, request_id, priority))
-        self.routed[request_id] = Routed(replica, to_compute, params.max_tokens)
+        self.routed[request_id] = Routed(replica, to_compute, params.max_tokens, listener)
         self.requests_routed[replica] += 1
         return request_id
 
@@ -166,7 +167,7 @@ class ReplicatedEngine:
         if routed.replica == 0:
             return self.engine.abort(request_id)
         self.pending[routed.replica - 1].append(("abort", request_id))
-        return RequestOutput(request_id, [], "", True, FinishReason.ABORT)  # what its replica's abort returns
+        return RequestOutput(request_id, [], "", True, FinishReason.ABORT, routed.listener)  # as its replica's abort
 
     def step(self) -> list[RequestOutput]:
         """Every replica steps at once (the others in their processes while replica 0 steps here)."""
@@ -184,6 +185,7 @@ class ReplicatedEngine:
         for out in outputs:
             routed = self.routed.get(out.request_id)
             if routed is not None:
+                out.listener = routed.listener
                 routed.prompt_left, routed.to_generate = 0, routed.to_generate - len(out.new_token_ids)
                 if out.finished:
                     del self.routed[out.request_id]

@@ -280,8 +280,9 @@ class TensorParallelEngine:
     # ----- the engine interface: rank 0's engine, with every change also sent to the others -------------------
 
     def add_request(self, prompt: Any, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0) -> str:
-        request_id = self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+                    priority: int = 0, listener: Any = None) -> str:
+        request_id = self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
+                                             listener=listener)
         request = self.engine.requests[request_id]  # tokenized, checked, its seed drawn: as the others need it
         self.pending.append(("add", request.prompt_token_ids, request.params, request_id, priority,
                              request.arrival_time))

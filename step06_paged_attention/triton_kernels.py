@@ -46,8 +46,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot,
-                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """K and V of tokens `t` of one sequence, found through its block table row: [len(t), HEAD_DIM] each."""
     block = tl.load(TABLE_ROW + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     offs = (block * BLOCK_SIZE + t % BLOCK_SIZE)[:, None] * stride_slot + kv_head * HEAD_DIM + d[None, :]
@@ -57,14 +57,12 @@ def _load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexpr, MASKED: tl.constexpr,
-                         SUM_BY_DOT: tl.constexpr = False):
-    """Fold one K/V tile into the running max `m_i`, sum `l_i` and weighted values `acc` (all float32).
+def softmax_tile_weights(q, k, allowed, m_i, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """The weights of one K/V tile's keys for query rows `q` whose running max is `m_i`: the new max `m_new`,
+    each key's weight p = exp(score - m_new), and `alpha`, which rescales what was summed under `m_i`.
     PRECISION "ieee" keeps float32 products exact; "tf32" (the default) would round them to 10 bits.
     MASKED False: every row may see every key of the tile, so `allowed` is not applied (and no row is left
-    at -inf, so no guard is needed): the prefill kernel's tiles left of the causal diagonal.
-    SUM_BY_DOT (step 15): add up a row's weights on the tensor cores, as `acc` is, in an order that does not
-    follow the tile's shape (`tl.sum`'s order follows how the compiler spreads the tile over threads)."""
+    at -inf, so no guard is needed): the prefill kernel's tiles left of the causal diagonal."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if MASKED:
         scores = tl.where(allowed, scores, float("-inf"))
@@ -76,11 +74,14 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexp
         base = m_new
     p = tl.exp(scores - base[:, None])
     alpha = tl.exp(m_i - base)
-    if SUM_BY_DOT:
-        ones = tl.full([p.shape[1], 16], 1.0, v.dtype)  # 16 equal columns: a dot's narrowest; max picks one
-        l_i = l_i * alpha + tl.max(tl.dot(p.to(v.dtype), ones, input_precision=PRECISION), axis=1)
-    else:
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+    return m_new, p, alpha
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """Fold one K/V tile into the running max `m_i`, sum `l_i` and weighted values `acc` (all float32)."""
+    m_new, p, alpha = softmax_tile_weights(q, k, allowed, m_i, PRECISION, MASKED)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -117,8 +118,8 @@ def paged_decode_split_kernel(
     for tile_start in range(start, end, TILE):
         t = tile_start + tl.arange(0, TILE)
         valid = t < end
-        k, v = _load_kv_tile(K_CACHE, V_CACHE, BLOCK_TABLE + b * stride_bt, t, valid, kv_head, d, stride_slot,
-                             HEAD_DIM, BLOCK_SIZE)
+        k, v = load_kv_tile(K_CACHE, V_CACHE, BLOCK_TABLE + b * stride_bt, t, valid, kv_head, d, stride_slot,
+                            HEAD_DIM, BLOCK_SIZE)
         m_i, l_i, acc = _online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, PRECISION, True)
 
     out = OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -241,15 +242,15 @@ write_kv, paged_decode = KERNELS.write_kv, KERNELS.paged_decode  # as functions,
 @triton.jit
 def attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, start, end, last, kv_head, d, stride_slot,
                      HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
-                     MASKED: tl.constexpr, SUM_BY_DOT: tl.constexpr = False):
+                     MASKED: tl.constexpr):
     """Fold the key tiles from `start` to `end` into the running softmax of query rows at positions `pos`.
     Keys at or past `last` are never read; MASKED applies the causal mask (key position <= row position)."""
     for tile_start in range(start, end, TILE):
         t = tile_start + tl.arange(0, TILE)
         valid = t < last
-        k, v = _load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE)
+        k, v = load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE)
         allowed = valid[None, :] & (t[None, :] <= pos[:, None])  # causal
-        m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION, MASKED, SUM_BY_DOT)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION, MASKED)
     return m_i, l_i, acc
 
 
@@ -291,7 +292,7 @@ def prefill_tile(Q, K_CACHE, V_CACHE, BLOCK_TABLE, CU_Q, CONTEXT_LENS, OUT, scal
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                   TILE: tl.constexpr, PRECISION: tl.constexpr, ATTEND: tl.constexpr):
     """One program's work: query rows `m_tile * BLOCK_M ..` of request `b`'s new tokens, head `h`, attended by
-    ATTEND (`attend_causally`, or a function of the same arguments that sums the keys another way: step 15)."""
+    ATTEND (`attend_causally`, or a function of the same arguments that sums the keys another way)."""
     q_start = tl.load(CU_Q + b)
     q_len = tl.load(CU_Q + b + 1) - q_start
     context = tl.load(CONTEXT_LENS + b)  # cached prefix + this request's new tokens

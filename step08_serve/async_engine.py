@@ -5,6 +5,10 @@ own that does nothing else: apply the queued commands (add, abort), run one step
 queue of the request it belongs to, repeat. HTTP handlers run on the asyncio event loop and never touch
 the engine directly.
 
+What the server keeps about a request is one record, `Served`: its output queue and its timing. The engine
+carries it (`add_request(listener=...)`) and hands it back on each of the request's outputs, so the step thread
+finds the queue without a map of request ids.
+
 The ordering that matters: a request's output queue is registered *before* its add command is queued.
 The other way round, a fast engine could produce the first token before anyone listens for it, and the
 token would be dropped (the registration race).
@@ -18,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from common.engine import Engine
@@ -42,12 +46,11 @@ class AsyncEngine:
         self.metrics = ServingMetrics(engine, self.num_open_streams)  # counted by the step thread, read by /metrics
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._open: set[Served] = set()  # the requests whose handler still listens
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None
-        self._timing: dict[str, _Timing] = {}  # per running request, for TTFT/TPOT
         self._profiling: _Profiling | None = None  # POST /profile: the next steps run under the profiler (step 05)
 
     # ----- lifecycle -----------------------------------------------------------------------------------
@@ -81,15 +84,15 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         assert self._loop is not None
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = stream  # registered before the add: no output can arrive unheard
+        served = Served()
+        self._open.add(served)  # registered before the add: no output can arrive unheard
         added: asyncio.Future[None] = self._loop.create_future()
-        self._submit(lambda: self._add(request_id, prompt_ids, params, priority, added))
+        self._submit(lambda: self._add(served, request_id, prompt_ids, params, priority, added))
         finished = False
         try:
             await added  # a ValueError from the engine (e.g. the request can never fit) surfaces here
             while True:
-                item = await stream.get()
+                item = await served.stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -97,7 +100,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            self._open.discard(served)
             if not finished:
                 self._submit(lambda: self._abort(request_id))
 
@@ -112,7 +115,7 @@ class AsyncEngine:
         return await done
 
     def num_open_streams(self) -> int:
-        return len(self._streams)
+        return len(self._open)
 
     # ----- the step thread -----------------------------------------------------------------------------
 
@@ -120,21 +123,20 @@ class AsyncEngine:
         self._commands.put(command)
         self._wake.set()
 
-    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int,
+    def _add(self, served: Served, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int,
              added: asyncio.Future[None]) -> None:
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, priority=priority)
+            self.engine.add_request(prompt_ids, params, request_id=request_id, priority=priority, listener=served)
         except ValueError as err:
             self._call_in_loop(_settle, added, err)
             return
-        self._timing[request_id] = _Timing(time.perf_counter())
+        served.added_at = time.perf_counter()
         self.metrics.requests_added.inc()
         self._call_in_loop(_settle, added, None)
 
     def _abort(self, request_id: str) -> None:
         if self.engine.abort(request_id) is not None:
             self.metrics.requests_aborted.inc()
-        self._timing.pop(request_id, None)
 
     def _start_profile(self, steps: int, done: asyncio.Future[dict]) -> None:
         from common.bench import default_output
@@ -185,18 +187,17 @@ class AsyncEngine:
         now = time.perf_counter()
         for out in outputs:
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
-            timing = self._timing.get(out.request_id)
-            if timing is None:
+            served: Served | None = out.listener
+            if served is None:  # a request the server did not add
                 continue
-            timing.tokens += len(out.new_token_ids)
-            if timing.first_token_at is None:
-                timing.first_token_at = now
-                self.metrics.ttft_seconds.observe(now - timing.added_at)
+            served.tokens += len(out.new_token_ids)
+            if served.first_token_at is None:
+                served.first_token_at = now
+                self.metrics.ttft_seconds.observe(now - served.added_at)
             if out.finished:
                 self.metrics.requests_finished.inc()
-                if timing.tokens > 1:
-                    self.metrics.tpot_seconds.observe((now - timing.first_token_at) / (timing.tokens - 1))
-                del self._timing[out.request_id]
+                if served.tokens > 1:
+                    self.metrics.tpot_seconds.observe((now - served.first_token_at) / (served.tokens - 1))
 
     def _call_in_loop(self, fn: Callable[..., None], *args: object) -> None:
         assert self._loop is not None
@@ -205,18 +206,21 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put_nowait(out)
+            if out.listener in self._open:  # its handler still listens
+                out.listener.stream.put_nowait(out)
 
     def _fail_all(self, error: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.put_nowait(error)
+        for served in self._open:
+            served.stream.put_nowait(error)
 
 
-@dataclass
-class _Timing:
-    added_at: float
+@dataclass(eq=False)  # a request's record is itself: kept in a set by identity
+class Served:
+    """Everything the server keeps about one request: where its outputs go, and its timing for TTFT and TPOT
+    (set by the step thread)."""
+
+    stream: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    added_at: float = 0.0  # when the engine took it
     first_token_at: float | None = None
     tokens: int = 0
 

@@ -108,6 +108,7 @@ class WorstStepForward(ForwardContext):
 class ChunkedPrefillEngine(PreemptionEngine):
     config_class = ChunkedPrefillEngineConfig
     request_class = ChunkedRequest
+    chunk_class = Chunk  # what the scheduler makes: a later step's chunks may do more, as its requests may hold more
 
     def __init__(self, loaded: LoadedModel, config: ChunkedPrefillEngineConfig) -> None:
         self.step_memory_bytes: int | None = None  # measured by `blocks_in_budget` on a GPU
@@ -187,7 +188,7 @@ class ChunkedPrefillEngine(PreemptionEngine):
         decoders, chunks = self.schedule()
         if chunks:
             self.mixed_steps += bool(decoders)
-            outputs = self.forward_mixed([Chunk(r, r.num_tokens - 1, 1) for r in decoders] + chunks)
+            outputs = self.forward_mixed([self.chunk_class(r, r.num_tokens - 1, 1) for r in decoders] + chunks)
         elif decoders:
             for request in decoders:
                 self.mark_computed(request, request.num_tokens)  # its newest token, about to be cached
@@ -274,7 +275,7 @@ class ChunkedPrefillEngine(PreemptionEngine):
         if not admitted:
             self.waiting.remove(request)
             self.mark_running(request)
-        return Chunk(request, start, room)
+        return self.chunk_class(request, start, room)
 
     def mark_computed(self, request: ChunkedRequest, end: int) -> None:
         """The request's first `end` tokens have their K/V in the cache (or will have, once the forward just

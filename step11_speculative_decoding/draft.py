@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,11 +41,10 @@ from common.loading import LoadedModel, load_model
 from common.sampling import SamplingTensors
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
 from step09_chunked_prefill.engine import Chunk, ChunkedPrefillEngine
+from step11_speculative_decoding.config import SpeculativeEngineConfig
 from step11_speculative_decoding.proposers import Proposal
+from step11_speculative_decoding.request import SpeculativeRequest
 from step11_speculative_decoding.verify import draw, target_probabilities
-
-if TYPE_CHECKING:  # annotations only: the engine module imports this one
-    from step11_speculative_decoding.engine import SpeculativeEngine, SpeculativeEngineConfig, SpeculativeRequest
 
 # The draft's draws use another stream than the target's Gumbel noise and acceptance tests at the same (seed,
 # position). With the target's own noise, a proposal would be correlated with the very numbers that judge it,
@@ -81,7 +79,7 @@ class DraftProposer:
         self.catch_up_budget = catch_up_budget
 
     @classmethod
-    def create(cls, engine: SpeculativeEngine, config: SpeculativeEngineConfig,
+    def create(cls, engine: ChunkedPrefillEngine, config: SpeculativeEngineConfig,
                draft: LoadedModel | None = None) -> DraftProposer:
         """A proposer running `draft` (loaded here from `config.draft_model` if not given), with a pool like the
         engine's: its block size, as many blocks."""

@@ -25,10 +25,12 @@ from common.loading import LoadedModel
 from common.request import RequestOutput
 from common.sampling import SamplingTensors
 from step02_paged_kv.kv_cache import PagedKVCache
-from step09_chunked_prefill.engine import Chunk
-from step10_prefix_caching.engine import PrefixCachedRequest, PrefixCachingEngine, PrefixCachingEngineConfig
-from step11_speculative_decoding.proposers import NgramProposer, Proposal, Proposer
+from step09_chunked_prefill.engine import Chunk, ChunkedPrefillEngine
+from step10_prefix_caching.engine import PrefixCachingEngine
 from step11_speculative_decoding import verify as verification
+from step11_speculative_decoding.config import SpeculativeEngineConfig
+from step11_speculative_decoding.proposers import NgramProposer, Proposal, Proposer
+from step11_speculative_decoding.request import SpeculativeRequest
 from step11_speculative_decoding.verify import rejection_sample, target_probabilities
 
 # What a step costs, in decode steps. A plain step of T tokens costs 1 + T x decode token cost; a step that verifies
@@ -48,29 +50,26 @@ PROBE_SHARE = 0.01  # of the time, at most, spent checking one proposal of reque
 
 
 @dataclass
-class SpeculativeEngineConfig(PrefixCachingEngineConfig):
-    speculative_tokens: int = 0  # k, the most tokens proposed for a decoder per step; 0: no speculation
-    speculative_method: str = "ngram"  # ngram | draft
-    draft_model: str | None = None  # --speculative-method draft: a model with the target's tokenizer
-    speculative_token_cost: float | None = None  # see DEFAULT_TOKEN_COST; with a step cost of 0, 0 checks all
-    speculative_decode_token_cost: float | None = None  # see DEFAULT_DECODE_TOKEN_COST
-    speculative_step_cost: float | None = None  # see DEFAULT_STEP_COST
+class SpeculativeChunk(Chunk):
+    """Step 09's chunk, part of a prompt or a plain decoder's token, as a speculative step reads every chunk:
+    it proposes nothing, and needs the logits of its last token if it samples. `VerifyChunk` answers otherwise."""
 
+    @property
+    def proposals(self) -> list[int]:
+        return []
 
-@dataclass(eq=False)
-class SpeculativeRequest(PrefixCachedRequest):
-    acceptance: float = 0.5  # running estimate of the chance that its next proposal is kept
-    steps_unchecked: int = 0  # steps it decoded without proposals since its last verification
-    draft_table: list[int] = field(default_factory=list)  # the draft model's KV blocks (`DraftProposer`)
-    draft_computed: int = 0  # its first tokens whose K/V the draft model holds
-    # `NgramProposer`'s index of its token sequence: each n-gram with a token after it -> its latest start, kept
-    # up to date one new token at a time (`ngram_indexed`: tokens indexed) so a lookup is not a scan of it all.
-    ngram_index: dict[tuple[int, ...], int] = field(default_factory=dict)
-    ngram_indexed: int = 0
+    @property
+    def token_ids(self) -> list[int]:
+        return ChunkedPrefillEngine.chunk_token_ids(self)
+
+    @property
+    def logit_rows(self) -> range:
+        """Its tokens (0: its first) whose logits the step needs."""
+        return range(self.num_tokens - 1, self.num_tokens) if self.samples else range(0)
 
 
 @dataclass
-class VerifyChunk(Chunk):
+class VerifyChunk(SpeculativeChunk):
     """A decoder's last token and the tokens proposed after it: `1 + len(proposals)` tokens from position
     `start` (= its length - 1), every one of which gives logits."""
 
@@ -88,10 +87,15 @@ class VerifyChunk(Chunk):
     def token_ids(self) -> list[int]:
         return [self.request.all_token_ids[-1], *self.proposals]
 
+    @property
+    def logit_rows(self) -> range:
+        return range(self.num_tokens)
+
 
 class SpeculativeEngine(PrefixCachingEngine):
     config_class = SpeculativeEngineConfig
     request_class = SpeculativeRequest
+    chunk_class = SpeculativeChunk
 
     def __init__(self, loaded: LoadedModel, config: SpeculativeEngineConfig) -> None:
         self.draft: LoadedModel | None = None  # --speculative-method draft: loaded before the pool is sized
@@ -242,71 +246,50 @@ class SpeculativeEngine(PrefixCachingEngine):
     # ----- running the model: verification rows --------------------------------------------------------------
 
     @staticmethod
-    def chunk_token_ids(chunk: Chunk) -> list[int]:
-        return chunk.token_ids if isinstance(chunk, VerifyChunk) else PrefixCachingEngine.chunk_token_ids(chunk)
+    def chunk_token_ids(chunk: SpeculativeChunk) -> list[int]:
+        return chunk.token_ids
 
-    def forward_mixed(self, chunks: list[Chunk]) -> list[RequestOutput]:
-        if not any(isinstance(c, VerifyChunk) for c in chunks):
+    def forward_mixed(self, chunks: list[SpeculativeChunk]) -> list[RequestOutput]:
+        if not any(c.proposals for c in chunks):
             return super().forward_mixed(chunks)
         sampling = [c for c in chunks if c.samples]
         emitted = self.compute_verified(chunks)
         for chunk in chunks:
-            if not isinstance(chunk, VerifyChunk):
+            if not chunk.proposals:  # a verification's K/V counts once its proposals are kept (`emit`)
                 self.mark_computed(chunk.request, chunk.end)
         self.prefill_chunks += len(chunks) - len(sampling)
         return [self.emit(chunk, tokens) for chunk, tokens in zip(sampling, emitted, strict=True)]
 
     @torch.inference_mode()
-    def compute_verified(self, chunks: list[Chunk]) -> list[list[int]]:
+    def compute_verified(self, chunks: list[SpeculativeChunk]) -> list[list[int]]:
         """The forward, then the tokens each sampling chunk emits (`tokens_from_logits`)."""
         hidden = self.run_chunks(chunks)
         return self.tokens_from_logits(chunks, self.model.compute_logits(hidden[self.logit_rows(chunks)]))
 
     @staticmethod
-    def logit_rows(chunks: list[Chunk]) -> list[int]:
+    def logit_rows(chunks: list[SpeculativeChunk]) -> list[int]:
         """The token rows whose logits a step needs: every token of a verification chunk, the last token of
         any other chunk that samples."""
-        rows, end = [], 0
-        for chunk in chunks:
-            end += chunk.num_tokens
-            if isinstance(chunk, VerifyChunk):
-                rows += range(end - chunk.num_tokens, end)
-            elif chunk.samples:
-                rows.append(end - 1)
-        return rows
+        firsts = itertools.accumulate((c.num_tokens for c in chunks), initial=0)
+        return [first + row for first, chunk in zip(firsts, chunks) for row in chunk.logit_rows]
 
-    def tokens_from_logits(self, chunks: list[Chunk], logits: torch.Tensor) -> list[list[int]]:
+    def tokens_from_logits(self, chunks: list[SpeculativeChunk], logits: torch.Tensor) -> list[list[int]]:
         """From the logits of `logit_rows`, the tokens each sampling chunk emits: the kept proposals and one
         more for a verification chunk; one, sampled as step 09 does, for a chunk that ends a prompt or a
         plain decoder."""
         verifying, others, verify_rows, other_rows, row = [], [], [], [], 0
         for chunk in chunks:
-            if isinstance(chunk, VerifyChunk):
+            rows = range(row, row + len(chunk.logit_rows))
+            if chunk.proposals:
                 verifying.append(chunk)
-                verify_rows += range(row, row + chunk.num_tokens)
-                row += chunk.num_tokens
+                verify_rows += rows
             elif chunk.samples:
                 others.append(chunk)
-                other_rows.append(row)
-                row += 1
+                other_rows += rows
+            row = rows.stop
         verified = iter(self.verify(verifying, logits[verify_rows]) if verifying else [])
         sampled = iter(self.sample(logits[other_rows], [c.request for c in others]) if others else [])
-        return [next(verified) if isinstance(c, VerifyChunk) else [next(sampled)] for c in chunks if c.samples]
-
-    def tokens_from_argmax(self, chunks: list[Chunk], argmax: torch.Tensor) -> list[list[int]]:
-        """`tokens_from_logits` for a step whose every sampling chunk is greedy, from each logit row's argmax
-        alone (step 12's graphs find it without writing the logits)."""
-        best, emitted, row = argmax.tolist(), [], 0
-        for chunk in chunks:
-            if isinstance(chunk, VerifyChunk):
-                tokens = verification.accept_greedy(chunk.proposals, best[row : row + chunk.num_tokens])
-                self.record_outcome(chunk.request, len(chunk.proposals), len(tokens) - 1)
-                emitted.append(tokens)
-                row += chunk.num_tokens
-            elif chunk.samples:
-                emitted.append([best[row]])
-                row += 1
-        return emitted
+        return [next(verified) if c.proposals else [next(sampled)] for c in chunks if c.samples]
 
     def verify(self, chunks: list[VerifyChunk], logits: torch.Tensor) -> list[list[int]]:
         """The tokens each verification chunk emits, from the target's logits at its 1 + k positions (the
@@ -359,12 +342,12 @@ class SpeculativeEngine(PrefixCachingEngine):
 
     # ----- emitting several tokens, rolling back the rest ----------------------------------------------------
 
-    def emit(self, chunk: Chunk, tokens: list[int]) -> RequestOutput:
+    def emit(self, chunk: SpeculativeChunk, tokens: list[int]) -> RequestOutput:
         """Append the chunk's tokens one by one (a stop token, a stop string or `max_tokens` among them ends
         the request there); then the request's cached length is its new length less the newest token, and
         the blocks past it go back to the pool."""
         request = chunk.request
-        if not isinstance(chunk, VerifyChunk):
+        if not chunk.proposals:
             return self.process_tokens([request], tokens)[0]
         outputs = []
         for token_id in tokens:
@@ -381,7 +364,8 @@ class SpeculativeEngine(PrefixCachingEngine):
             assert self.proposer is not None
             self.proposer.rollback(request)
         return RequestOutput(request.request_id, [t for o in outputs for t in o.new_token_ids],
-                             "".join(o.new_text for o in outputs), outputs[-1].finished, outputs[-1].finish_reason)
+                             "".join(o.new_text for o in outputs), outputs[-1].finished, outputs[-1].finish_reason,
+                             request.listener)
 
     # ----- the proposer's state goes where the request's does --------------------------------------------------
 

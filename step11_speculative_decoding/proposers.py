@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # annotations only: the engine module imports this one
-    from step11_speculative_decoding.engine import SpeculativeRequest
+from step11_speculative_decoding.request import SpeculativeRequest
 
 
 @dataclass

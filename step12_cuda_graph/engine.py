@@ -23,7 +23,9 @@ from common.request import RequestOutput
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend
 from step09_chunked_prefill.engine import Chunk
-from step11_speculative_decoding.engine import SpeculativeEngine, SpeculativeEngineConfig, SpeculativeRequest
+from step11_speculative_decoding import verify as verification
+from step11_speculative_decoding.engine import (SpeculativeChunk, SpeculativeEngine, SpeculativeEngineConfig,
+                                                SpeculativeRequest)
 from step12_cuda_graph.decode_graphs import (GRAPH_BYTES_PER_LOGIT, DecodeBatch, DecodeGraphs, PendingTokens,
                                              StaticDecodeInputs)
 from step12_cuda_graph.mixed_graphs import MixedChunk, MixedStepGraphs, TileListTritonBackend
@@ -163,13 +165,28 @@ class CudaGraphEngine(SpeculativeEngine):
         return min(super().speculation_token_limit(), self.verify_graphs.token_buckets[-1])
 
     @torch.inference_mode()
-    def compute_verified(self, chunks: list[Chunk]) -> list[list[int]]:
+    def compute_verified(self, chunks: list[SpeculativeChunk]) -> list[list[int]]:
         graphs = self.verify_graphs
         if graphs is None or not graphs.fits(sum(c.num_tokens for c in chunks), len(chunks)):
             return super().compute_verified(chunks)
         sampled = not all(c.request.params.greedy for c in chunks if c.samples)
         outputs = graphs.run([self.mixed_chunk(c) for c in chunks], sampled)[self.logit_rows(chunks)]
         return self.tokens_from_logits(chunks, outputs) if sampled else self.tokens_from_argmax(chunks, outputs)
+
+    def tokens_from_argmax(self, chunks: list[SpeculativeChunk], argmax: torch.Tensor) -> list[list[int]]:
+        """Step 11's `tokens_from_logits` for a step whose every sampling chunk is greedy, from each logit row's
+        argmax alone (the verification graphs find it without writing the logits)."""
+        best, emitted, row = argmax.tolist(), [], 0
+        for chunk in chunks:
+            rows = best[row : row + len(chunk.logit_rows)]
+            if chunk.proposals:
+                tokens = verification.accept_greedy(chunk.proposals, rows)
+                self.record_outcome(chunk.request, len(chunk.proposals), len(tokens) - 1)
+                emitted.append(tokens)
+            elif chunk.samples:
+                emitted.append(rows)
+            row += len(rows)
+        return emitted
 
     def memory_report(self) -> str:
         return f"{super().memory_report()}\ndecode: {self.graph_status()}"

@@ -90,7 +90,7 @@ class InvariantTritonBackend(TileListTritonBackend):
     `pieces_decode`, with the same tiles, pieces and merges. Step 06's decode kernel is not used: with one split
     it walks the same tiles in the same order, yet on the H200 it gives other bits (`probe.py`): it adds a
     row's weights with `tl.sum`, whose order follows its tile's shape, where step 15 adds them on the tensor
-    cores (`SUM_BY_DOT`)."""
+    cores (`decode_kernel.online_softmax_step`)."""
 
     def num_splits(self, batch: int, kv_heads: int, max_seq_len: int) -> int:
         """Workers per (request, KV head): enough to fill one wave of about four programs per multiprocessor,

@@ -16,8 +16,8 @@ pieces are merged in order. That is the token's arithmetic everywhere:
 
 A row's sum does not depend on which row of a tile it is, nor on what the other rows hold, and a piece or a
 key tile wholly past a row's position changes nothing (it rescales by exp(0) = 1 and adds 0). Nor on how many
-rows the tile has: every sum over keys runs on the tensor cores (`SUM_BY_DOT`: a row's weights too, not only
-the weighted values), whose order is the same for a 16-row decode tile and a 64-row prefill tile, where
+rows the tile has: every sum over keys runs on the tensor cores (`online_softmax_step`: a row's weights too,
+not only the weighted values), whose order is the same for a 16-row decode tile and a 64-row prefill tile, where
 `tl.sum`'s order follows how the compiler spreads each shape over threads. `probe.py` and `bench_kernels.py`
 check decode rows against the same token in prefill chunks bit for bit on the GPU.
 """
@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from step06_paged_attention.triton_kernels import attend_key_tiles, causal_bounds, dot_precision, empty_softmax
+from step06_paged_attention.triton_kernels import (causal_bounds, dot_precision, empty_softmax, load_kv_tile,
+                                                   softmax_tile_weights)
 
 # Keys per piece: 16 of the kernels' 64-key tiles; fixed, never derived from the batch. Smaller pieces spread a
 # long sequence over more programs at a small batch, but each piece starts its tile loop afresh and ends in a
@@ -40,6 +41,32 @@ MAX_WORKERS = 32  # programs sharing one sequence's pieces, at most
 
 
 @triton.jit
+def online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """Step 06's `_online_softmax_step` with a row's weights added up on the tensor cores, as `acc` is, in an
+    order that does not follow the tile's shape (`tl.sum`'s order follows how the compiler spreads the tile
+    over threads)."""
+    m_new, p, alpha = softmax_tile_weights(q, k, allowed, m_i, PRECISION, MASKED)
+    ones = tl.full([p.shape[1], 16], 1.0, v.dtype)  # 16 equal columns: a dot's narrowest; max picks one
+    l_i = l_i * alpha + tl.max(tl.dot(p.to(v.dtype), ones, input_precision=PRECISION), axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def attend_key_tiles(q, pos, m_i, l_i, acc, K_CACHE, V_CACHE, TABLE_ROW, start, end, last, kv_head, d, stride_slot,
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+                     MASKED: tl.constexpr):
+    """Step 06's `attend_key_tiles` (the same tiles, in the same order), each folded by `online_softmax_step`."""
+    for tile_start in range(start, end, TILE):
+        t = tile_start + tl.arange(0, TILE)
+        valid = t < last
+        k, v = load_kv_tile(K_CACHE, V_CACHE, TABLE_ROW, t, valid, kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE)
+        allowed = valid[None, :] & (t[None, :] <= pos[:, None])  # causal
+        m_i, l_i, acc = online_softmax_step(q, k, v, allowed, m_i, l_i, acc, PRECISION, MASKED)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def attend_piece(q, pos, start, end, seen_by_all, last, K_CACHE, V_CACHE, TABLE_ROW, kv_head, d, stride_slot,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
                  PRECISION: tl.constexpr):
@@ -48,9 +75,9 @@ def attend_piece(q, pos, start, end, seen_by_all, last, K_CACHE, V_CACHE, TABLE_
     m, l, acc = empty_softmax(BLOCK_M, HEAD_DIM)
     unmasked_end = tl.minimum(tl.maximum(seen_by_all, start), end)
     m, l, acc = attend_key_tiles(q, pos, m, l, acc, K_CACHE, V_CACHE, TABLE_ROW, start, unmasked_end, last,
-                                 kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False, True)
+                                 kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, False)
     m, l, acc = attend_key_tiles(q, pos, m, l, acc, K_CACHE, V_CACHE, TABLE_ROW, unmasked_end, end, last,
-                                 kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, True, True)
+                                 kv_head, d, stride_slot, HEAD_DIM, BLOCK_SIZE, TILE, PRECISION, True)
     return m, l, acc
 
 

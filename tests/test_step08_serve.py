@@ -52,8 +52,7 @@ class Served:
         while time.monotonic() < deadline:
             e = self.engine
             if (not e.requests and not e.running and not e.waiting and e.allocator.num_used == 0
-                    and self.async_engine.num_open_streams() == 0
-                    and not self.async_engine._timing):
+                    and self.async_engine.num_open_streams() == 0):  # a request's timing is on its record
                 return
             time.sleep(0.05)
         e = self.engine

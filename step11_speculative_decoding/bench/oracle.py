@@ -10,12 +10,10 @@ prompt and the position, so a token proposed twice (after a rejection) is the sa
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
 
 from step11_speculative_decoding.proposers import NgramProposer, Proposal
 
-if TYPE_CHECKING:
-    from step11_speculative_decoding.engine import SpeculativeRequest
+from step11_speculative_decoding.request import SpeculativeRequest
 
 
 class OracleProposer(NgramProposer):
