@@ -315,6 +315,7 @@ def dry_run(engine_class: type[Engine], args: argparse.Namespace) -> int:
     """Tiny random models of every architecture, requests arriving while others decode, checked against HF."""
     from common.checks import staggered_generate  # loads torch: only once the command line is accepted
     from common.sampling import SamplingParams
+    from common.shared_model import release_memory
 
     config_class = engine_class.config_class
     ok = True
@@ -328,6 +329,10 @@ def dry_run(engine_class: type[Engine], args: argparse.Namespace) -> int:
         completions = staggered_generate(engine, prompt_ids, SamplingParams(max_tokens=max_tokens), arrive_every=2)
         print(f"[dry run] tiny-{arch}: {len(prompt_ids)} requests arriving every 2 steps")
         ok &= report_parity(engine, prompt_ids, completions, max_tokens)
+        # On a GPU each engine sizes its KV pool from the memory left free: the next one needs this one's back.
+        engine_device = engine.device
+        del engine
+        release_memory(engine_device)
     print(f"dry run {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 
