@@ -220,6 +220,12 @@ in_both_trees() {
   done
 }
 
+kernel_bits() {
+  echo "== the attention kernels' outputs on fixed inputs, in this tree and OLD_TREE, compared bit for bit"
+  in_both_trees python "$PWD/scripts/kernel_bits.py" save "/tmp/kernel-bits-{name}.pt"
+  python scripts/kernel_bits.py compare /tmp/kernel-bits-old.pt /tmp/kernel-bits-head.pt --output "$G/kernel-bits-old-new.json"
+}
+
 unchanged() {
   echo "== the final engine, speculation off, against OLD_TREE: decode at batch 1, 8, 64"
   in_both_trees python "${STEPS[-1]}/run.py" --bench "${SEVEN_B[@]}" --no-hf --batch-sizes 1,8,64 \

@@ -386,6 +386,13 @@ def render_invariance_probe(path: str, doc: Doc) -> list[str]:
     return markdown(["op", "as in", "sizes tried", "other bits at", "largest difference"], rows, text_columns=4)
 
 
+def render_kernel_bits(path: str, doc: Doc) -> list[str]:
+    """scripts/kernel_bits.py: each attention kernel's output, launched each way, against the older tree's."""
+    rows = [[output, "the same" if same else "other bits"] for output, same in doc["same_bits"].items()]
+    return markdown(["kernel output (dtype/kernel/launch)", f"bits against {doc['old_commit'][:10]}"], rows,
+                    text_columns=2)
+
+
 INVARIANCE_PARTS = {"together": "together, then one at a time: same tokens",
                     "server": "through the server, together, then one at a time: same text",
                     "speculation": "speculation on and off: same tokens"}
@@ -467,6 +474,7 @@ RENDERERS = (
     Renderer("step-profile", lambda doc: "breakdown_ms" in first(doc, "rows"), render_step_profile),
     Renderer("step-phases", lambda doc: "breakdown_ms" in first(doc, "rows"), render_step_phases),
     Renderer("step-breakdown", lambda doc: "breakdown_ms" in first(doc, "rows"), render_step_breakdown),
+    Renderer("kernel-bits", lambda doc: "same_bits" in doc, render_kernel_bits),
     Renderer("invariance-probe", lambda doc: "as_in" in first(doc, "results"), render_invariance_probe),
     Renderer("invariance", lambda doc: any(part in doc for part in INVARIANCE_PARTS), render_invariance),
     Renderer("invariance-cost", lambda doc: "on_vs_off" in doc.get("speed", {}), render_invariance_cost),

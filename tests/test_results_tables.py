@@ -154,6 +154,9 @@ FIGURES = [
     ("invariance-attention", f"{GPU}/batch-invariance-kernels.json",  # row 2: batch 1, 4,096 tokens
      lambda d: (2, "step 15, workers by the batch, us",
                 f"{d['attention'][2]['ms']['step 15, workers by the batch'] * 1e3:.1f}")),
+    ("kernel-bits", f"{GPU}/kernel-bits-old-new.json",  # row 0: step 06's decode kernel, bf16, one split
+     lambda d: (0, f"bits against {d['old_commit'][:10]}", "the same" if d["same_bits"]["bfloat16/decode/1"]
+                else "other bits")),
     ("oracle-sweep", f"{GPU}/speculative-sweep.json",  # row 1: batch 1, k = 4
      lambda d: (1, "a = 0.9", next(f"{r['time_per_token_vs_off']:.2f}x" for r in d["runs"]
                                    if (r["batch"], r["k"], r["acceptance"]) == (1, 4, 0.9)))),

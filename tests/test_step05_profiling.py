@@ -99,7 +99,8 @@ def test_run_py_profile_flag_prints_the_table_and_writes_the_trace(capsys: pytes
     from common.cli import main
 
     monkeypatch.chdir(tmp_path)  # the trace goes to runs/profile/ under the working directory
-    assert main("step06_paged_attention", None, ["--model", TINY, "--max-tokens", "8", "--profile", "3"]) == 0
+    argv = ["--model", TINY, "--device", "cpu", "--max-tokens", "8", "--profile", "3"]  # cpu: the trace's name
+    assert main("step06_paged_attention", None, argv) == 0
     out = capsys.readouterr().out
     assert "3 steps profiled" in out and "process outputs" in out and "parity with HF generate(): 4/4" in out
     traces = list((tmp_path / "runs" / "profile").glob("step06_paged_attention-cpu-tiny-llama*.json"))
