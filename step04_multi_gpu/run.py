@@ -134,16 +134,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fail(err)
     from common.loading import ModelLoadError
     from step04_multi_gpu.sharding import TensorParallelConfigError
-    from step04_multi_gpu.tensor_parallel import Launch, RankDiedError, follow_rank_zero
+    from step04_multi_gpu.tensor_parallel import Launch, RankDiedError, check_splits, follow_rank_zero
 
-    config = find_step(args.step).engine_class().config_class.from_args(args)
+    step = find_step(args.step)
+    config = step.engine_class().config_class.from_args(args)
+    device_type = config.resolved_device().type
+    backend = args.distributed_backend or ("nccl" if device_type == "cuda" else "gloo")
     rank = int(os.environ.get("RANK", 0))
     if rank:  # started by torchrun: this process follows rank 0's commands
-        device_type = config.resolved_device().type
-        backend = args.distributed_backend or ("nccl" if device_type == "cuda" else "gloo")
         follow_rank_zero(Launch(rank, int(os.environ["WORLD_SIZE"]), device_type, None, backend), args.step, config)
         return 0
     try:
+        check_splits(step, config, backend)  # once, in one line, before any model loads (the dry run's too)
         if args.dry_run:
             ok, checked, skipped = True, [], []
             for arch in TINY_ARCHES:

@@ -34,6 +34,14 @@ def test_an_earlier_step_refuses_a_later_steps_flag(capsys: pytest.CaptureFixtur
     assert "unrecognized arguments: --batch-invariant" in capsys.readouterr().err
 
 
+def test_a_step_that_cannot_be_split_is_refused_in_one_line_before_anything_runs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert run.main(["--step", "step01_serial", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tensor-parallel-size splits the engines of steps 06 and later, not step01_serial")
+    assert err.count("\n") == 1
+
+
 def test_output_json_has_every_run_pys_rows(tmp_path: Path) -> None:
     """Two ranks of the final engine, batch-invariant, on a tiny model: the rows of common/cli.py's run, in prompt
     order, and the run's own check (one process and HF) passes."""
