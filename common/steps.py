@@ -67,6 +67,16 @@ STEPS: tuple[Step, ...] = (
 )
 STEP_NAMES: tuple[str, ...] = tuple(step.name for step in STEPS)
 
+# The order a learner reads the lessons in: the chain, with step 05 after step 06 (whose eager decode step it
+# dissects) and step 08 after step 07 (it serves any engine of the chain), and step 04 last (it splits the final
+# engine over processes). A lesson names a step after it on this path only in a marked look-ahead.
+LESSON_PATH: tuple[str, ...] = (
+    "step01_serial", "step02_paged_kv", "step03_vectorized_gather", "step06_paged_attention", "step05_profiling",
+    "step07_preemption", "step08_serve", "step09_chunked_prefill", "step10_prefix_caching",
+    "step11_speculative_decoding", "step12_cuda_graph", "step13_fused_decode", "step14_overlap_scheduling",
+    "step15_batch_invariant", "step04_multi_gpu",
+)
+
 
 def find_step(name: str) -> Step:
     for step in STEPS:

@@ -82,7 +82,29 @@ def test_lesson_shape(lesson: str) -> None:
     assert "next" in last_line.lower(), f"the last line says what the next lesson fixes, not: {last_line[:80]}"
 
 
+IMAGE = re.compile(r"!\[[^\]]+\]\(([^)\s]+)\)")
+# A drawing in text: a ```text block with its caption right below it, `*Figure: ...*`.
+TEXT_FIGURE = re.compile(r"^```text\n.*?^```\n\*Figure[^*\n]*\*", flags=re.S | re.M)
+
+
+def figures_in(lesson: str, text: str) -> list[str]:
+    """The lesson's pictures: images of committed files, and captioned drawings in text."""
+    folder = (REPO / lesson).parent
+    images = [path for path in IMAGE.findall(text) if (folder / path).resolve().is_file()]
+    return images + TEXT_FIGURE.findall(text)
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_every_lesson_has_a_picture(lesson: str) -> None:
+    text = (REPO / lesson).read_text(encoding="utf-8")
+    assert figures_in(lesson, text), (f"{lesson} has no picture: a plot of its evidence (`![what it shows](file.png)`, "
+                                      "a committed file) or a drawing in a ```text block captioned `*Figure: ...*`")
+
+
 def test_the_checks_can_fail() -> None:
+    lesson = "step01_serial/README.md"
+    assert figures_in(lesson, "![plot](../results/gpu/nothing.png)\n```text\na -> b\n```\nno caption\n") == []
+    assert len(figures_in(lesson, "![plot](../results/gpu/decode-batch1-8.png)\n```text\na\n```\n*Figure: a.*\n")) == 2
     log = "The figures are provisional.\nA gain of 1.2x at c064396, as `results/a-c064396.json` says.\n"
     assert len(log_phrasing(log)) == 2
     assert log_phrasing("Run `git show c064396:results/x.json`.\n<!-- results/x.json: commit c064396 -->\n") == []
