@@ -2,7 +2,8 @@
 
 A figure is a number with a unit of measure (`40.2 ms`, `1,997 tok/s`, `9.4x`, `35%`, `1,252 kernels`). It is held
 when a generated table of the lesson shows it (tests/test_results_tables.py checks those against their files), or
-when an evidence file the lesson names (a table's source line, a `results/...` path or link) holds it at the
+when an evidence file named in its section of the lesson (a table's source line, a `results/...` path or link)
+holds it at the
 precision shown: a value, scaled to the unit (seconds to ms, a fraction to %, bytes to MiB), or for `x` and `%` the
 ratio of two values under the same name in that file (one system's tok/s over another's) or of two values side by
 side in one record. A figure that is arithmetic on a worked example, not a measurement, goes in a code block.
@@ -114,12 +115,21 @@ def prose_lines(text: str) -> str:
     return "\n".join(line for line in prose_of(text).splitlines() if not line.lstrip().startswith("|"))
 
 
+def sections(text: str) -> list[str]:
+    """The lesson cut at its headings: a figure's evidence is named in its own section (the box is one)."""
+    return re.split(r"^(?=#)", text, flags=re.M)
+
+
 def unsourced_figures(text: str) -> list[str]:
-    """Each figure of the prose that neither a table of the lesson shows nor an evidence file it names holds."""
+    """Each figure of the prose that neither a table of the lesson shows nor an evidence file its section names
+    holds."""
     shown = table_figures(text)
-    evidence = Evidence(named_evidence(text))
-    return [figure.text for figure in map(Figure, FIGURE.finditer(prose_lines(text)))
-            if figure.text not in shown and not evidence.holds(figure)]
+    missing = []
+    for section in sections(text):
+        evidence = Evidence(named_evidence(section))
+        missing += [figure.text for figure in map(Figure, FIGURE.finditer(prose_lines(section)))
+                    if figure.text not in shown and not evidence.holds(figure)]
+    return missing
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
