@@ -14,10 +14,11 @@ if TYPE_CHECKING:  # for the annotations only: run.py reads DEFAULT_STEP before 
     from fastapi import FastAPI
 
 # The server drives any step of common/steps.py (`--step`). The default is the most capable step for the
-# device: on a GPU, step 14 (graphs, fused decode, the host overlapped); elsewhere step 10 (step 09's budget, and
-# prefix caching), whose eager path is what steps 12 to 14 run on a CPU anyway. Both bound each step by a token
-# budget and honour each request's `priority`.
-DEFAULT_STEP = {"cuda": "step14_overlap_scheduling", "cpu": "step10_prefix_caching"}
+# device: on a GPU, the final engine, step 15 (graphs, fused decode, the host overlapped; `--batch-invariant` off
+# unless asked for, and then as fast as step 14: results/gpu/h100-decode-batch1-8.json); elsewhere step 10 (step 09's
+# budget, and prefix caching), whose eager path is what steps 12 to 15 run on a CPU anyway. Both bound each step by
+# a token budget and honour each request's `priority`.
+DEFAULT_STEP = {"cuda": "step15_batch_invariant", "cpu": "step10_prefix_caching"}
 
 
 def default_step(device: str) -> str:
