@@ -5,7 +5,7 @@ not on the model) on the workload of `step07_preemption/bench/bench_preempt.py` 
 of 100 to 512 tokens, blocks of 16) in 593 blocks, and prints the pool at the first preemption: who was running,
 how many blocks each held, who needed a block, and the victim.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/step07_first_preemption.py [--preempt swap]
+    .venv/bin/python scripts/step07_first_preemption.py [--preempt swap]
 """
 
 from __future__ import annotations
@@ -55,8 +55,12 @@ def main() -> None:
     while engine.has_unfinished() and not first:
         engine.step()
         steps += 1
+    if not first:
+        print(f"pool {args.num_blocks} blocks: nothing was preempted")
+        return
     running = first["running"]
-    print(f"pool {args.num_blocks} blocks; step {first['step'] + 1} after the first prefill; free {first['free']}")
+    print(f"pool {args.num_blocks} blocks; the first preemption comes in engine step {first['step'] + 1} "
+          f"(step 1 prefills the first admissions); free {first['free']}")
     print(f"running {len(running)} requests, {sum(b for _, b, _ in running)} blocks held")
     print("running (request, blocks, tokens):", running)
     print(f"request {first['needing']} needs a new block")
