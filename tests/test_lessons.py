@@ -20,6 +20,7 @@ MAX_LINES = 250
 LOG_PHRASES = (
     "in one call", "earlier call", "last call", "this call", "this session", "before they went",
     "in an earlier run", "earlier run", "in this run", "previous version of this table", "provisional",
+    "in the same call", "run twice more", "runs twice more",
 )
 # Seven to twelve hex digits with at least one letter and one digit: how a commit hash looks in prose.
 COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,12}\b")
