@@ -68,9 +68,9 @@ def drawing(model_name: str, ranks: int) -> str:
         row("down (rows)", [shape(l.mlp.down_proj.weight) + " partial sum" for l in layers]),
         exchange(ranks, "all-reduce: every rank holds x + MLP"),
         "",
-        row("embedding", [f"ids {span(e.start, e.weight.shape[0])}" for e in embeddings]),
+        row("embedding", [f"ids {span(getattr(e, 'start', 0), e.weight.shape[0])}" for e in embeddings]),
         exchange(ranks, "all-reduce (other ids look up zeros)"),
-        row("output head", [f"logits {span(e.start, e.weight.shape[0])}" for e in embeddings]),
+        row("output head", [f"logits {span(getattr(e, 'start', 0), e.weight.shape[0])}" for e in embeddings]),
         exchange(ranks, "all-gather: every rank holds every logit"),
         "",
         f"one forward: 2 x {config.num_layers} layers + 1 embedding = {2 * config.num_layers + 1} all-reduces "
