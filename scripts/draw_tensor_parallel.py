@@ -49,6 +49,8 @@ def drawing(model_name: str, ranks: int) -> str:
     embeddings = [shard.model.embed_tokens for shard in shards]
     heads, kv_heads = config.num_heads // ranks, config.num_kv_heads // ranks
     features = config.intermediate_size // ranks
+    if ranks == 1:
+        return f"{model_name} on one rank: every weight whole, no all-reduce"
     return "\n".join([
         f"{model_name} over {ranks} ranks: hidden {config.hidden_size}, {config.num_heads} query heads and "
         f"{config.num_kv_heads} KV heads",
