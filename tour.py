@@ -236,7 +236,7 @@ class CallRecorder:
             if call is not None:
                 next((c for c in reversed(self.open) if c is not None), self.root).calls.append(call)
             self.open.append(call)
-        elif event == "return" and self.open:  # (`record` itself returns too, though it was called before)
+        elif event == "return":
             self.open.pop()
 
 
