@@ -3,16 +3,24 @@ and its throughput is printed; then step 08 serves a tiny model and is called th
 Run it with `make tour` (or `.venv/bin/python tour.py`).
 
 `python tour.py --map [STEP]` loads no model: it prints the final engine (or STEP's) as one engine, each method
-under the step whose code runs it, with the earlier steps whose version it overrides."""
+under the step whose code runs it, with the earlier steps whose version it overrides.
+
+`python tour.py --trace` runs the final engine on a tiny random model for a few seconds and prints, call by call, the
+methods that one mixed step (a decoder beside a prompt's prefill chunk) and one decode step run, each with the step
+whose class defines it: the map's methods in the order the engine calls them."""
 
 from __future__ import annotations
 
 import argparse
 import functools
 import inspect
+import itertools
 import sys
 import textwrap
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import CodeType, FrameType
 from typing import NamedTuple
 
 from transformers.utils import logging as transformers_logging
@@ -161,14 +169,139 @@ def engine_map(engine_class: type[Engine]) -> list[str]:
     return lines
 
 
+# ----- the trace: the final engine's calls in one mixed step and one decode step (`python tour.py --trace`) -----
+
+TRACE_MODEL = "tiny-llama"  # random weights of a tiny shape: the engine starts in seconds and downloads nothing
+TRACE_BUDGET = 16  # tokens per step: fewer than the second prompt has, so it is prefilled in chunks
+TRACE_PROMPTS = ("The capital of France is",  # admitted first: it decodes while the next one is prefilled
+                 "Once upon a time, in a land far away, there lived a king who had three daughters, a dragon "
+                 "and a very old library full of maps")
+TRACE_MAX_TOKENS = 32  # more than the steps taken: both requests still run in the decode step
+
+
+@dataclass
+class Call:
+    """One call of a method the trace shows, and the shown calls made while it ran."""
+
+    step: str  # where the method's class is defined: "step09", or "common" for common/engine.py
+    name: str  # "ChunkedPrefillEngine.fill_budget"
+    calls: list[Call] = field(default_factory=list)
+
+
+def step_label(module: str) -> str | None:
+    """"step09" for a module of a step's folder, "common" for common/engine.py, None for any other module."""
+    package = module.partition(".")[0]
+    if package.startswith("step"):
+        return package.partition("_")[0]
+    return "common" if module == "common.engine" else None
+
+
+def shown_method(code: CodeType, module: str) -> tuple[str, str] | None:
+    """(step, "Class.method") if the trace shows this code: a method of a class defined in a step's folder or in
+    common/engine.py, neither a dunder (`__init__`, ...) nor a property (`Chunk.end`, ...); None otherwise."""
+    step = step_label(module)
+    owner_name, _, name = code.co_qualname.rpartition(".")
+    if step is None or not owner_name or "<" in code.co_qualname or name.startswith("__"):
+        return None  # outside the steps, a module's function, a function inside a function, or a dunder
+    owner = functools.reduce(getattr, owner_name.split("."), sys.modules[module])
+    if not isinstance(owner, type) or isinstance(vars(owner).get(name), (property, functools.cached_property)):
+        return None
+    return step, code.co_qualname
+
+
+class CallRecorder:
+    """The shown calls that a function makes, as a tree, through `sys.setprofile`: Python calls the profile function
+    as every Python function starts and returns, so the calls open at each moment are known."""
+
+    def __init__(self) -> None:
+        self.root = Call("", "")
+        self.open: list[Call | None] = []  # one entry per Python call running now: its Call, None if not shown
+        self.shown: dict[CodeType, tuple[str, str] | None] = {}  # `shown_method` of each code object, once
+
+    def record(self, function: Callable[[], object]) -> list[Call]:
+        self.root.calls = []
+        sys.setprofile(self.profile)
+        try:
+            function()
+        finally:
+            sys.setprofile(None)
+        return self.root.calls
+
+    def profile(self, frame: FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            code = frame.f_code
+            if code not in self.shown:
+                self.shown[code] = shown_method(code, frame.f_globals.get("__name__", ""))
+            call = None if self.shown[code] is None else Call(*self.shown[code])
+            if call is not None:
+                next((c for c in reversed(self.open) if c is not None), self.root).calls.append(call)
+            self.open.append(call)
+        elif event == "return":
+            self.open.pop()
+
+
+def call_lines(calls: list[Call], depth: int = 0) -> list[str]:
+    """`step09      ChunkedPrefillEngine.fill_budget`: the step in the first column, the method indented by its
+    depth. The same call made several times in a row, with the same calls under it, is one line ending in xN."""
+    lines: list[str] = []
+    for (step, name, inner), group in itertools.groupby(
+            ((call.step, call.name, tuple(call_lines(call.calls, depth + 1))) for call in calls)):
+        count = sum(1 for _ in group)
+        lines += [f"{step:<8}{'  ' * depth}{name}{f' x{count}' if count > 1 else ''}", *inner]
+    return lines
+
+
+def trace_lines() -> list[str]:
+    """Start the final engine on a tiny model and trace two of its steps: a mixed step, where the first request
+    decodes while the second one's prompt is prefilled in chunks, and, once that prompt is in, a decode step."""
+    step = STEPS[-1]
+    engine_class = step.engine_class()
+    engine = engine_class.from_config(engine_class.config_class(
+        model=TRACE_MODEL, device="cpu", max_num_batched_tokens=TRACE_BUDGET))
+    params = SamplingParams(max_tokens=TRACE_MAX_TOKENS)
+    decoder = engine.requests[engine.add_request(TRACE_PROMPTS[0], params)]
+    engine.step()  # its whole prompt, and its first token: it decodes from now on
+    chunked = engine.requests[engine.add_request(TRACE_PROMPTS[1], params)]
+    recorder = CallRecorder()
+    about = (f"The trace of {engine_class.__name__} ({step.name}), the final engine, on {TRACE_MODEL} (random "
+             f"weights) on the CPU, with a budget of {TRACE_BUDGET} tokens a step and its other settings at their "
+             "defaults: speculation off (--speculative-tokens 0: step 11's overrides still run, and hand over to step "
+             "10's), and no CUDA graphs on a CPU (step 12's static buffers run eagerly). A line: the step whose class "
+             "defines the method, then the method, indented under its caller. Not shown: dunder methods, properties, "
+             "plain functions, and everything outside the steps' folders and common/engine.py (the model's forward, "
+             "the sampler, the request's own methods, PyTorch). The same call repeated, with the same calls under "
+             "it: one line, xN.")
+    lines = textwrap.wrap(about, LINE_WIDTH)
+    before, tokens = chunked.num_computed, len(decoder.output_token_ids)
+    calls = recorder.record(engine.step)
+    decoded = len(decoder.output_token_ids) - tokens
+    lines += ["", f"=== a mixed step, one forward: {decoder.request_id} decodes {decoded} token, and "
+                  f"{chunked.request_id}'s prompt tokens {before} to {chunked.num_computed} of "
+                  f"{len(chunked.prompt_token_ids)} are prefilled", *call_lines(calls)]
+    untraced = 0
+    while engine.prefill_pending():
+        engine.step()
+        untraced += 1
+    calls = recorder.record(engine.step)
+    lines += ["", f"({untraced} step{'s' * (untraced != 1)} not traced: the rest of {chunked.request_id}'s "
+                  f"prompt, beside {decoder.request_id}'s decoding)",
+              "", f"=== a decode step: {', '.join(r.request_id for r in engine.running)} decode one token each",
+              *call_lines(calls)]
+    return lines
+
+
 # ----- the command line --------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Run every step's engine on the embedded model, checked "
                                                  "against HF generate() and timed; or map one engine.")
-    parser.add_argument("--map", nargs="?", const=STEPS[-1].name, choices=STEP_NAMES, metavar="STEP",
-                        help="print the engine of STEP (default: the last step) as one engine, and load no model")
+    shown = parser.add_mutually_exclusive_group()
+    shown.add_argument("--map", nargs="?", const=STEPS[-1].name, choices=STEP_NAMES, metavar="STEP",
+                       help="print the engine of STEP (default: the last step) as one engine, and load no model")
+    shown.add_argument("--trace", action="store_true",
+                       help="run the final engine on a tiny random model and print the methods that one mixed step "
+                            "and one decode step call, in order, each with its step")
     return parser.parse_args(argv)
 
 
@@ -176,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.map:
         print("\n".join(engine_map(find_step(args.map).engine_class())))
+        return 0
+    if args.trace:
+        print("\n".join(trace_lines()))
         return 0
     return run_tour()
 

@@ -167,12 +167,12 @@ speculative() {
   # Every step verifies (both costs 0): a verification step's cost against a decode step's, per batch and k, with
   # every proposal right. In bf16 a verification row breaks random weights' near-ties unlike a decode step, so the
   # oracle replays the tokens of its own last run until they hold (bench_oracle.py --rounds).
-  python step11_speculative_decoding/bench/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 1,4,8 \
-    --acceptances 1 --token-cost 0 --step-cost 0 --max-tokens 64 --output "$G/speculative-verify-step.json"
+  python step11_speculative_decoding/bench/bench_oracle.py "${SEVEN_B[@]}" --step "${STEPS[-1]}" --batch-sizes 1,8,32,64 \
+    --ks 1,4,8 --acceptances 1 --token-cost 0 --step-cost 0 --max-tokens 64 --output "$G/speculative-verify-step.json"
   # The sweep under the rule with the engine's GPU costs: what speculation gains at acceptance a; an always-wrong
   # oracle must cost nothing, a good one must not lose at batch 64.
-  python step11_speculative_decoding/bench/bench_oracle.py "${SEVEN_B[@]}" --batch-sizes 1,8,32,64 --ks 2,4,8 \
-    --acceptances 0,0.5,0.7,0.9 --max-tokens 64 --output "$G/speculative-sweep.json"
+  python step11_speculative_decoding/bench/bench_oracle.py "${SEVEN_B[@]}" --step "${STEPS[-1]}" --batch-sizes 1,8,32,64 \
+    --ks 2,4,8 --acceptances 0,0.5,0.7,0.9 --max-tokens 64 --output "$G/speculative-sweep.json"
 }
 
 batch_invariant() {

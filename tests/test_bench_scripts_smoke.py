@@ -114,18 +114,35 @@ def test_profile_step_finds_our_attention_kernels() -> None:
     assert category_of("_rope_and_kv_write_kernel") != "attention"  # step 13's fused kernel: not attention
 
 
-def test_bench_oracle_and_its_plot(tmp_path: Path) -> None:
+def test_bench_oracle_and_its_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Run as step 11's lesson runs it (no --step), it runs step 11's engine, and says once that CPU times are for
+    the shape of the curves."""
     from scripts import plot_speculative
     from step11_speculative_decoding.bench import bench_oracle
 
     out = tmp_path / "oracle.json"
     assert bench_oracle.main([*TINY, "--batch-sizes", "1,2", "--ks", "2", "--acceptances", "0,0.9", "--max-tokens", "6",
                               "--token-cost", "0", "--step-cost", "0", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count(bench_oracle.CPU_WARNING) == 1
+    assert "[SpeculativeEngine] " in printed and "[CudaGraphEngine] " not in printed  # the engines' start-up lines
+    assert written(out)["settings"]["step"] == "step11_speculative_decoding"
     runs = written(out)["runs"]
     assert [(r["batch"], r["k"]) for r in runs] == [(1, 0), (1, 2), (1, 2), (2, 0), (2, 2), (2, 2)]
     assert all(r["identical_to_off"] for r in runs if r["k"])  # float32 on a CPU: the oracle's a is exact
     assert plot_speculative.main([str(out), "--measured", str(out), "--output", str(tmp_path / "plot.png")]) == 0
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_bench_oracle_takes_a_later_step_on_request() -> None:
+    from common.steps import STEPS
+    from step11_speculative_decoding.bench import bench_oracle
+
+    parser = bench_oracle.build_parser()
+    assert parser.parse_args([]).step == "step11_speculative_decoding"
+    assert parser.parse_args(["--step", STEPS[-1].name]).step == STEPS[-1].name
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--step", "step10_prefix_caching"])  # it does not speculate
 
 
 def test_bench_tensor_parallel_counts_two_all_reduces_a_layer(tmp_path: Path) -> None:

@@ -13,8 +13,12 @@ So a run is repeated with the oracle replaying the tokens the last run produced 
 produces exactly what the oracle replayed: then every guess was right with chance a, and the measured time is
 the time at acceptance a. Speed does not depend on which tokens come out, only on how many each row keeps.
 
+It runs step 11's engine unless `--step` names a later one: scripts/gpu_suite.sh's H200 sweep names the last step,
+whose graphs verify the proposals.
+
     .venv/bin/python step11_speculative_decoding/bench/bench_oracle.py --model tiny-llama --batch-sizes 1,4 --max-tokens 16
-    python step11_speculative_decoding/bench/bench_oracle.py --device cuda --model random:qwen2.5-7b   # the H200 sweep
+    python step11_speculative_decoding/bench/bench_oracle.py --device cuda --model random:qwen2.5-7b \\
+        --step step15_batch_invariant    # the H200 sweep, through the final engine's graphs
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ from common.steps import STEP_NAMES, engine_class
 from step11_speculative_decoding.engine import SpeculativeEngine
 from step11_speculative_decoding.bench.oracle import OracleProposer
 
-SPECULATIVE_STEPS = STEP_NAMES[STEP_NAMES.index("step11_speculative_decoding"):]
+THIS_STEP = "step11_speculative_decoding"
+SPECULATIVE_STEPS = STEP_NAMES[STEP_NAMES.index(THIS_STEP):]  # the steps whose engines speculate: 11 and after
+CPU_WARNING = ("[bench] on a CPU these times swing with whatever else the host is doing: read them for the shape of "
+               "the curves (how the time per token moves with a, k and the batch), not for speedups to quote")
 
 
 def decode_batch(engine: SpeculativeEngine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
@@ -63,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bf16 on a GPU, fp32 on a CPU. Random weights give many near-ties, which bf16's rounding "
                         "breaks differently in a verification row than in a decode step: with float32 the oracle's "
                         "continuation stays the engine's own")
-    p.add_argument("--step", default=SPECULATIVE_STEPS[-1], choices=SPECULATIVE_STEPS)
+    p.add_argument("--step", default=THIS_STEP, choices=SPECULATIVE_STEPS,
+                   help="the engine that speculates (default: this step's; later steps add graphs and kernels)")
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--ks", default="2,4,8", help="proposals per decoder (--speculative-tokens values)")
     p.add_argument("--acceptances", default="0,0.5,0.7,0.9", help="the oracle's chance of a right token")
@@ -94,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         loaded = load_model(args.model, device, dtype)
     except (CommandLineError, ModelLoadError, ValueError) as err:
         return fail(err)
+    if device.type == "cpu":
+        print(CPU_WARNING, flush=True)
     cls = engine_class(args.step)
     engine = cls(loaded, cls.config_class(device=args.device, speculative_tokens=max(ks),
                                           speculative_token_cost=args.token_cost,
