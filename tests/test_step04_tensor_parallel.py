@@ -25,7 +25,7 @@ from common.sampling import SamplingParams
 from common.steps import STEP_NAMES, find_step
 from step04_multi_gpu import sharding
 from step04_multi_gpu.sharding import TensorParallelConfigError
-from step04_multi_gpu.tensor_parallel import TensorParallelEngine, check_world
+from step04_multi_gpu.tensor_parallel import Launch, TensorParallelEngine, check_world, free_address, spawn_worker
 from tests.helpers import PARITY_MAX_TOKENS, step01_tokens
 
 FINAL = STEP_NAMES[-1]
@@ -225,6 +225,20 @@ def test_a_rank_that_dies_takes_the_others_down_with_a_clear_error() -> None:
     rest, _ = run.communicate(timeout=60)
     assert run.returncode == 1
     assert "rank 1 exited with code -9" in rest and "stopping every rank" in rest
+
+
+def test_a_rank_that_raises_sends_its_traceback_to_rank_0() -> None:
+    """A worker whose engine cannot be built (a model that does not exist) exits with code 1, and what rank 0
+    says of it (the RankDiedError's message) carries the worker's exception, not just its exit code: a
+    worker's stderr is captured by pytest and a notebook, so it would be lost."""
+    config = find_step(FINAL).engine_class().config_class(model="no-such-model", device="cpu")
+    worker = spawn_worker(Launch(0, 1, "cpu", free_address()), FINAL, config)  # a world of one: joins at once
+    worker.process.join(timeout=120)
+    report = worker.exit_report()
+    assert report is not None, f"the worker did not exit with an error (exit code {worker.process.exitcode})"
+    assert report.startswith("rank 0 exited with code 1; its error:"), f"the report names no error: {report}"
+    assert "ModelLoadError: unknown model 'no-such-model'" in report, f"the worker's exception is missing: {report}"
+    assert "Traceback" in report, f"the worker's traceback is missing: {report}"
 
 
 def test_step13s_fused_kernels_are_refused_until_they_are_split() -> None:
