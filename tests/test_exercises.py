@@ -14,12 +14,14 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from exercises import EXERCISES, Exercise, find_exercise
 from exercises.runner import explain, run_tests
+from tests.exercise_wrong_answers import WRONG_ANSWERS
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,6 +40,34 @@ def test_the_untouched_stub_fails_every_selected_test(exercise: Exercise) -> Non
     result = run_tests(exercise, exercise.learner_function())
     assert result.passed == 0, f"{result.passed} selected tests pass on the stub: they do not check it"
     assert result.failed and any("not written yet" in explain(case) for case in result.failed)
+
+
+# What "fast" means for an exercise's selected tests, on a wrong answer: seconds, on 2 cores beside other tests.
+FAST_SECONDS = 60
+
+
+@pytest.mark.parametrize("exercise", EXERCISES, ids=lambda e: e.id)
+def test_the_fast_tests_fail_a_wrong_answer_that_skips_the_idea(exercise: Exercise) -> None:
+    """The wrong answer of tests/exercise_wrong_answers.py (the registry's `skips_idea`) swapped in as a learner's
+    function is: at least one selected test fails on an assertion (not on an error of the wrong answer's own),
+    within seconds."""
+    start = time.monotonic()
+    result = run_tests(exercise, WRONG_ANSWERS[exercise.id])
+    seconds = time.monotonic() - start
+    assert result.failed, (f"{exercise.id}: all {result.passed} selected tests pass with a wrong answer that "
+                           f"skips the idea ({exercise.skips_idea})")
+    assertions = [case for case in result.failed if case.message.lstrip().startswith(("AssertionError", "assert"))]
+    assert assertions, (f"{exercise.id}: the wrong answer fails only with errors, no assertion catches it:\n"
+                        + "\n".join(explain(case) for case in result.failed))
+    assert seconds < FAST_SECONDS, f"{exercise.id}: its selected tests took {seconds:.0f} s on the wrong answer"
+
+
+def test_every_exercise_has_one_wrong_answer() -> None:
+    assert sorted(WRONG_ANSWERS) == sorted(e.id for e in EXERCISES), "tests/exercise_wrong_answers.py and the registry differ"
+    for exercise in EXERCISES:
+        wanted = inspect.signature(exercise.learner_function()).parameters
+        got = inspect.signature(WRONG_ANSWERS[exercise.id]).parameters
+        assert list(got) == list(wanted), f"{exercise.id}: the wrong answer takes {list(got)}, the stub {list(wanted)}"
 
 
 def test_the_command_checks_an_exercise_as_the_learner_runs_it() -> None:

@@ -15,7 +15,7 @@ from common.loading import LoadedModel
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
-from step12_cuda_graph.decode_graphs import DecodeBatch
+from step12_cuda_graph.decode_graphs import DecodeBatch, PendingTokens
 from step14_overlap_scheduling.engine import (LaunchAheadBatch, LaunchAheadInputs, OverlapSchedulingEngine,
                                               OverlapSchedulingEngineConfig)
 from tests.helpers import (check_graphs_match_step06_on_cuda, in_vocab, run_checked, seeded_sampling_case,
@@ -128,6 +128,38 @@ def test_abort_with_a_step_launched_ahead(tiny: LoadedModel) -> None:
     assert engine.allocator.num_used == 0
     assert [tokens[i] for i in (ids[0], ids[2], ids[3])] == [expected[0], expected[2], expected[3]]
     assert engine.steps_taken_from_ahead >= 10  # the shrunken batch still took the step launched ahead
+
+
+def test_a_decode_step_is_launched_without_waiting_for_the_one_before(tiny: LoadedModel,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The point of launching ahead: `launch_decode` never waits for the step launched before it (on a GPU,
+    reading its tokens stalls the host until the device is done, and nothing overlaps). Waiting gives the same
+    tokens, so only a watch on `PendingTokens.wait` during the launch shows it."""
+    launch, wait = OverlapSchedulingEngine.launch_decode, PendingTokens.wait  # looked up now: an exercise swaps it
+    launching, waits_while_launching = [False], []
+
+    def watched_launch(self: OverlapSchedulingEngine, *args: object, **kwargs: object) -> object:
+        launching[0] = True
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            launching[0] = False
+
+    def watched_wait(self: PendingTokens) -> list[int]:
+        if launching[0]:
+            waits_while_launching.append(1)
+        return wait(self)
+
+    monkeypatch.setattr(OverlapSchedulingEngine, "launch_decode", watched_launch)
+    monkeypatch.setattr(PendingTokens, "wait", watched_wait)
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:3]]
+    engine = engine_for(tiny, block_size=4, num_blocks=128, overlap=True)
+    engine.generate(prompts, SamplingParams(max_tokens=8))
+    assert engine.steps_launched_ahead > 0, "no step was launched ahead: nothing was checked"
+    assert not waits_while_launching, (
+        f"launch_decode waited for a step's tokens {len(waits_while_launching)} times in "
+        f"{engine.steps_launched_ahead} steps launched ahead: a launched-ahead row must read its input token "
+        "on the device (previous_rows), not on the host")
 
 
 def test_overlap_stops_where_step07_stops(tiny: LoadedModel) -> None:
