@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from exercises import EXERCISES, Exercise, find_exercise
+from exercises.engine import run_engine
 from exercises.runner import explain, run_tests
 from tests.exercise_wrong_answers import WRONG_ANSWERS
 
@@ -87,6 +88,26 @@ def test_the_command_checks_an_exercise_as_the_learner_runs_it() -> None:
     stub = command()
     assert stub.returncode == 1, stub.stdout[-3000:] + stub.stderr[-3000:]
     assert f"exercise {exercise.id}: not yet" in stub.stdout and "not written yet" in stub.stdout
+
+
+@pytest.mark.embedded
+def test_the_final_engine_with_every_solution_swapped_in_gives_hfs_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m exercises engine --project` (in this process, on 2 prompts of 8 tokens): the final engine's dry
+    run and the embedded model match HF with all 19 solutions in place at once, and the report says of each
+    whether it ran. The scheduler's functions run on every device; step 01's, 03's and 05's are never on the
+    final engine's path, so they must be reported as not run."""
+    ok = run_engine(project=True, prompts=2, max_tokens=8)
+    out = capsys.readouterr().out
+    assert ok, f"the final engine with the project's solutions failed:\n{out[-4000:]}"
+    assert "embedded model: 2/2 prompts give HF's tokens exactly" in out, out[-4000:]
+    report = {line.split()[0]: line for line in out.partition("=== which functions")[2].splitlines()[1:]
+              if line.startswith("  ")}
+    assert sorted(report) == sorted(e.id for e in EXERCISES), f"the report names {sorted(report)}"
+    for exercise_id in ("09-token-budget", "10-block-keys", "10-lru-evict"):
+        assert re.search(r"ran, [1-9]\d* calls$", report[exercise_id]), f"not reported as run: {report[exercise_id]}"
+    for exercise_id in ("01-contiguous-attend", "03-vectorized-gather", "05-own-time", "05-count-syncs"):
+        assert report[exercise_id].endswith("swapped in, not run by the final engine on this device"), (
+            f"reported as run, though the final engine never calls it: {report[exercise_id]}")
 
 
 def test_exercise_ids_are_unique_and_each_target_exists() -> None:
