@@ -29,6 +29,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -246,7 +247,7 @@ def run_worker(launch: Launch, step_name: str, config: EngineConfig, errors: Con
 class Worker:
     """A spawned rank, and the read end of the pipe through which it sends its error's traceback if it fails."""
 
-    process: Any  # a multiprocessing Process of the spawn context
+    process: BaseProcess
     errors: Connection
     error: str | None = None  # the traceback it sent, once read
 
@@ -368,7 +369,7 @@ class TensorParallelEngine:
         return reports
 
     @property
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[BaseProcess]:
         """The other ranks' processes."""
         return [worker.process for worker in self.ranks]
 

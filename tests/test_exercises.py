@@ -23,6 +23,7 @@ from exercises import EXERCISES, Exercise, find_exercise
 from exercises.engine import run_engine
 from exercises.runner import explain, run_tests
 from tests.exercise_wrong_answers import WRONG_ANSWERS
+from tests.helpers import first_difference
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -132,3 +133,15 @@ def test_each_lesson_links_its_exercises_to_the_lines_that_solve_them() -> None:
         links = re.findall(rf"\]\({re.escape(target)}#L(\d+)-L(\d+)\)", section)
         assert any(int(a) <= first and int(b) == last for a, b in links), (
             f"{exercise.lesson}: link the solution as {target}#L{first}-L{last} (found {links})")
+
+
+def test_first_difference_names_the_position_and_a_few_tokens_around_it() -> None:
+    """The message the exercises' token checks give: where two token lists part, not the whole lists."""
+    expected, got = list(range(40)), list(range(40))
+    got[20] = 999
+    message = first_difference(expected, got)
+    assert message == ("first difference at position 20 (of 40 expected, 40 got): expected [..., 17, 18, 19, 20, 21, "
+                       "22, 23], got [..., 17, 18, 19, 999, 21, 22, 23]"), message
+    nested = first_difference([[1, 2], [3, 4, 5]], [[1, 2], [3, 4]])
+    assert nested == "request 1: first difference at position 2 (of 3 expected, 2 got): expected [3, 4, 5], got [3, 4]", (
+        nested)
