@@ -86,12 +86,15 @@ def run_engine(project: bool = False, prompts: int = 4, max_tokens: int = DEMO_M
         fields = {flag.removeprefix("--").replace("-", "_"): True for flag in switches}
         tokens_ok = demo_prompts_match_hf(final.name, fields, prompts, max_tokens)
     print(f"\n=== which functions the final engine ran ({whose}) ===")
-    for exercise in swapped:
-        ran = (f"ran, {calls[exercise.id]} calls" if calls[exercise.id]
-               else "swapped in, not run by the final engine on this device")
-        print(f"  {exercise.id:22s} {exercise.target:62s} {ran}")
-    for exercise in left_out:
-        print(f"  {exercise.id:22s} {exercise.target:62s} not solved ({status(exercise)}): the project's code ran")
+    width = max(len(e.target) for e in EXERCISES)
+    for exercise in EXERCISES:
+        if exercise in left_out:  # the project's code stays in place: whether it ran is not the learner's
+            said = f"not solved ({status(exercise)}): the project's code in place"
+        elif calls[exercise.id]:
+            said = f"ran, {calls[exercise.id]} calls"
+        else:
+            said = "swapped in, not run by the final engine on this device"
+        print(f"  {exercise.id:22s} {exercise.target:{width}s}  {said}")
     print(f"\ndry run: {'OK' if dry_run_ok else 'FAILED'}; embedded model: "
           f"{'the same tokens as HF' if tokens_ok else 'tokens DIFFER from HF'}")
     return dry_run_ok and tokens_ok
