@@ -30,8 +30,9 @@ from step10_prefix_caching.block_pool import ROOT_KEY, PrefixCachingAllocator, b
 from step10_prefix_caching.engine import PrefixCachedRequest, PrefixCachingEngine
 from step11_speculative_decoding.engine import SpeculativeEngine, SpeculativeRequest
 from step12_cuda_graph.decode_graphs import DecodeBatch, StaticDecodeInputs
-from step15_batch_invariant.attention import split_attention as project_split_attention
 from step14_overlap_scheduling.engine import LaunchAheadBatch, LaunchedDecode, OverlapSchedulingEngine
+# The project's own function, bound when this module is imported, before any exercise swaps it on its module.
+from step15_batch_invariant.attention import split_attention as project_split_attention
 
 
 def attend_to_new_tokens_only(self: ContiguousForward, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
