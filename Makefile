@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 
-.PHONY: install tour test results notebooks exercise exercises
+.PHONY: install tour test results notebooks exercise exercises exercise-engine
 
 install: $(VENV)/.installed
 
@@ -43,6 +43,10 @@ exercises: install
 
 exercise: install
 	$(BIN)/python -m exercises run $(EX)
+
+# The final engine with every exercise you solved swapped in at once: its dry run, the demo prompts against HF
+exercise-engine: install
+	$(BIN)/python -m exercises engine
 
 # The CPU evidence run: the committed CPU files that the lessons' tables cite, measured again at one commit (about
 # half an hour on 2 cores), and every table refreshed from them.

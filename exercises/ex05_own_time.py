@@ -13,15 +13,14 @@ from common.profiling.trace import Event
 def nesting(ranges: list[Event]) -> list[tuple[Event, float, int]]:
     """Each range with its own time and its depth: `[(range, own, depth), ...]`.
 
-    `ranges` are named ranges of one thread (`Event`s with `.start`, `.dur` and `.end = start + dur`, in
-    microseconds), in any order. Ranges of one thread nest: two of them either do not overlap, or one lies
-    wholly inside the other. A range that ends exactly where the next starts does not hold it.
-
-    Return one tuple per range, sorted by start, and, for ranges that start at the same instant, the longest
-    first (it is the outer one). For each:
-    - own: its duration less the durations of the ranges *directly* inside it (those one level deeper, not
-      the ranges inside those: their time already came off their parent's);
-    - depth: how many of the other ranges hold it; 0 for a range inside no other.
+    Inputs: `ranges`, named ranges of one thread (`Event`s with `.start`, `.dur` and `.end = start + dur`, in
+    microseconds), in any order. Ranges of one thread nest: two either do not overlap, or one lies wholly inside
+    the other; a range that ends exactly where the next starts does not hold it.
+    Returns: one tuple per range, sorted by start, and among ranges that start at the same instant the longest
+    first (it is the outer one).
+    Rule: own = the range's duration less the durations of the ranges *directly* inside it (one level deeper:
+    the time of ranges deeper still already came off their own parent's); depth = how many other ranges hold it
+    (0: inside none). The own times then add up to the outermost ranges' durations: no microsecond counts twice.
 
     Example (start-end, in microseconds): "sample" 0-100 holds "forward" 10-40, which holds "prepare inputs"
     12-17; "process outputs" 100-120 follows. The result, in this order:
@@ -31,11 +30,8 @@ def nesting(ranges: list[Event]) -> list[tuple[Event, float, int]]:
         prepare inputs   own   5         5   depth 2
         process outputs  own  20        20   depth 0   (it starts where sample ends: not inside it)
 
-    The own times add up to the outermost ranges' durations (70 + 25 + 5 + 20 = 120): no microsecond counts twice.
-
-    Hints (step05_profiling/README.md, "How to read a trace"): after sorting, walk the ranges keeping a stack
-    of the ranges still open at the current one's start (pop those that ended at or before it); the stack's
-    top is its parent, whose own time loses this range's duration, and the stack's height is its depth.
-    Key your running totals by `id(range)`: an `Event` is an unhashable dataclass, and two may be equal.
+    Hints (step05_profiling/README.md, "How to read a trace"): in start order, the ranges still open when one
+    starts are the ranges that hold it, the last opened its parent. An `Event` is an unhashable dataclass and two
+    may be equal: keep per-range totals by `id(range)`.
     """
     raise NotImplementedError("write common.profiling.trace.nesting: see the hints in its docstring")

@@ -13,21 +13,19 @@ def pick_victim(self: PreemptionEngine,
                 less_important_than: PreemptibleRequest | None = None) -> PreemptibleRequest | None:
     """The running request to preempt: the least important one, and among equals the most recently admitted.
 
-    The candidates are `self.running` (a list of `PreemptibleRequest`). Each request has `priority`, an int
-    where a SMALLER value is MORE important (0 is the default), and `admitted_at`, an int that grows with
-    every admission (`mark_running` sets it): the largest is the newest admission. A request preempted and
-    admitted again gets a new, larger `admitted_at`, so it can be the newest admission though it arrived first.
-    - Without `less_important_than` (a decoding request needs a block and none is free): return the running
-      request with the largest `priority` value; among those, the one with the largest `admitted_at`.
-    - With `less_important_than` (a waiting request that wants blocks): the same choice, but only among
-      running requests whose `priority` value is strictly larger than `less_important_than.priority`.
-    Return None if there is no candidate. Do not change `self.running`, nor rely on its order.
+    Inputs: the candidates are `self.running` (`PreemptibleRequest`s). Each has `priority`, an int where a
+    SMALLER value is MORE important (0 is the default), and `admitted_at`, an int that grows with every admission
+    (the largest is the newest; a request preempted and admitted again gets a new, larger one). With
+    `less_important_than` (a waiting request that wants blocks), only running requests whose `priority` value is
+    strictly larger than its priority are candidates; without it (a decoding request needs a block), all are.
+    Returns: the candidate with the largest `priority` value, among those the one with the largest `admitted_at`;
+    None if there is no candidate. It changes nothing (neither `self.running` nor its order, which means nothing).
+    Why the newest: it has the least work to lose.
 
-    Example: a, b, c running with priorities 0, 2, 2, admitted in that order (admitted_at 0, 1, 2): the victim
-    is c. For a waiting request of priority 2: None (b and c are not strictly less important); of priority 1:
-    c. If b is then preempted and admitted again (admitted_at 3), b is the victim.
+    Example: a, b, c running with priorities 0, 2, 2, admitted in that order (admitted_at 0, 1, 2): the victim is
+    c. For a waiting request of priority 2: None (b and c are not strictly less important); of priority 1: c. If
+    b is then preempted and admitted again (admitted_at 3), b is the victim.
 
-    Hints (step07_preemption/README.md, "Who is preempted." and the first question): filter the candidates,
-    then `max` with a key that is a tuple compares the priority first and the admission second.
+    Hints (step07_preemption/README.md, "Who is preempted." and the first question).
     """
     raise NotImplementedError("write PreemptionEngine.pick_victim: see the hints in its docstring")

@@ -12,26 +12,25 @@ from step10_prefix_caching.engine import PrefixCachedRequest, PrefixCachingEngin
 def key_full_blocks(self: PrefixCachingEngine, request: PrefixCachedRequest, end: int) -> None:
     """Give a key to every block of `request` that its first `end` tokens fill and that has no key yet.
 
-    Called after each forward, with `end` the request's tokens whose K/V is now in the cache. A block holds
-    `size = self.cache.block_size` tokens: the request's block `i` is physical block `request.block_table[i]`
-    and holds tokens `i * size .. (i + 1) * size - 1` of `request.all_token_ids` (prompt, then generated
-    tokens). So its first `end // size` blocks are full. `request.block_keys` holds the keys of its first
-    blocks, in order, given by earlier calls or claimed from the cache at admission; it may hold fewer.
+    Inputs: called after each forward, `end` is how many of the request's tokens have their K/V in the cache. A
+    block holds `size = self.cache.block_size` tokens: the request's block `i` is physical block
+    `request.block_table[i]` and holds tokens `i * size .. (i + 1) * size - 1` of `request.all_token_ids`
+    (prompt, then generated tokens). `request.block_keys` holds the keys of its first blocks, in order (from
+    earlier calls, or claimed from the cache at admission); it may hold fewer than its full blocks.
+    Returns: nothing; afterwards `request.block_keys` has one key per full block, and each new key is
+    registered in the pool for its physical block (`self.allocator.register(block, key)`), so that a later
+    prompt with the same prefix can claim the block.
+    Rule: the key of block `i` is `block_key(key of block i - 1, block i's tokens)`, `ROOT_KEY` standing for the
+    key before block 0 (both in `step10_prefix_caching.block_pool`): a key stands for every token up to its
+    block's end, so two blocks with the same tokens after different prefixes get different keys. A block that
+    is not full gets no key (its tokens are not all computed); a block that has its key is not hashed again.
 
-    The key of block `i` is `block_key(key of block i - 1, block i's tokens)`, and `ROOT_KEY` stands for the
-    key before block 0 (both in `step10_prefix_caching.block_pool`): it stands for every token up to the
-    block's end. For each full block without a key, in order: append its key to `request.block_keys` and
-    register it in the pool, `self.allocator.register(physical block, key)`, so that a later prompt with the
-    same prefix can claim the block. A block that is not full gets no key (its tokens are not all computed);
-    a block that has its key is not hashed again.
-
-    Example: size 4, tokens t0..t13, no key yet, end 6: block 0 is full, so keys [k0] with
-    k0 = block_key(ROOT_KEY, [t0, t1, t2, t3]), registered for block_table[0]. Next call, end 9: block 1 is
-    full too: k1 = block_key(k0, [t4, t5, t6, t7]), keys [k0, k1]. Next, end 11: nothing to do.
+    Example: size 4, tokens t0..t13, no key yet, end 6: block 0 is full: keys [k0], k0 = block_key(ROOT_KEY,
+    [t0, t1, t2, t3]), registered for block_table[0]. Next call, end 9: k1 = block_key(k0, [t4, t5, t6, t7]),
+    keys [k0, k1]. Next, end 11: nothing to do.
 
     Hints (step10_prefix_caching/README.md, "The idea: a key per full block, chained over the prefix", and in
-    "Pitfalls", "Hashing a long prompt"): go on from the last key the request has (or `ROOT_KEY`), not from
-    block 0; a prompt admitted later looks its blocks up by the same chain from `ROOT_KEY`, so a key that
-    differs by one byte finds nothing.
+    "Pitfalls", "Hashing a long prompt"): go on from the last key the request has; a prompt admitted later looks
+    its blocks up by the same chain from `ROOT_KEY`, so a key that differs by one byte finds nothing.
     """
     raise NotImplementedError("write PrefixCachingEngine.key_full_blocks: see the hints in its docstring")

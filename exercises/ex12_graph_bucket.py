@@ -12,32 +12,28 @@ from step12_cuda_graph.decode_graphs import DecodeBatch, StaticDecodeInputs
 
 
 def write_rows(self: StaticDecodeInputs, batch: DecodeBatch, bucket: int) -> None:
-    """Write rows `0 .. bucket-1` of every static input into the host buffer: the batch's n rows, then
-    `bucket - n` padded rows that write nowhere a request reads.
+    """Lay a decode batch out in rows `0 .. bucket-1` of the static host buffers: its n rows, then padding.
 
-    A batch of n rows replays the graph of the smallest captured bucket >= n (`DecodeGraphs.bucket_for`, which
-    passes `bucket` here; 0 <= n <= bucket, and n = 0 happens: the capture fills every row as padding).
-    `self.host` holds int32 CPU tensors: `"input_ids"`, `"positions"`, `"seq_lens"`, `"slot_mapping"`, each
-    1-D and `max_batch` long, and `"block_table"`, `[max_batch, self.width]`. `fill` copies them to the device
-    after you return; write only their first `bucket` rows, and nothing else. Row i < n is request i of
-    `batch`: its newest token `batch.token_ids[i]`, its length `batch.seq_lens[i]` counting that token, its
-    block table `batch.tables[i]` (physical block ids, logical block j first). For each row write:
-    - `input_ids`: the token (padded rows: 0);
-    - `positions`: the new token's position, the last of its sequence, `seq_lens[i] - 1` (padded: 0);
-    - `seq_lens`: the length (padded: 1);
-    - `slot_mapping`: the slot the new token's K/V goes to, `table[p // block_size] * block_size +
-      p % block_size` for position p (padded: the dummy block's first slot, `self.dummy_block * block_size`);
-    - `block_table`: columns `0 .. used-1`, with `used` the longest table of the batch (1 if n = 0): the
-      row's table, then `self.dummy_block` up to `used` (padded rows: `self.dummy_block` in every column).
-      Columns from `used` on are never read: leave them.
+    Inputs: `batch` (n rows: `batch.token_ids[i]`, the newest token; `batch.seq_lens[i]`, the length counting
+    it; `batch.tables[i]`, the block table, physical blocks in logical order) and `bucket`, the captured bucket
+    it replays (0 <= n <= bucket; n = 0 happens: the capture fills every row as padding). `self.host` holds int32
+    CPU tensors `"input_ids"`, `"positions"`, `"seq_lens"`, `"slot_mapping"` (1-D, `max_batch` long) and
+    `"block_table"` (`[max_batch, self.width]`); `self.block_size`, `self.dummy_block`.
+    Returns: nothing; writes the first `bucket` rows of each field (and nothing else: `fill` copies them to the
+    device after you return).
+    Rule: row i < n is request i: its token, its position (the last of its sequence: seq_len - 1), its length,
+    the slot its new K/V goes to (from its table), and its table in columns `0 .. used-1` (`used`: the longest
+    table of the batch, 1 if n = 0), padded with the dummy block. A padded row runs the whole forward too, so it
+    must write nowhere a request reads: token 0, position 0, length 1, its slot the dummy block's first, and the
+    dummy block in every used column of its table. Columns from `used` on are never read: leave them.
+
     Example: block_size 4, dummy_block 64, batch token_ids [5, 8], seq_lens [10, 5], tables [[3, 17, 5],
     [6, 22]], bucket 4 -> input_ids [5, 8, 0, 0], positions [9, 4, 0, 0], seq_lens [10, 5, 1, 1],
     slot_mapping [21, 88, 256, 256] (position 9: logical block 2 = block 5, offset 1), block_table
     [[3, 17, 5], [6, 22, 64], [64, 64, 64], [64, 64, 64]] in its first 3 columns.
 
     Hints (step12_cuda_graph/README.md, "The idea: one launch instead of 1,252" and its "Padded rows, worked
-    out"; "The pitfalls", "Padded rows must be invisible"): a padded row runs the whole forward, so its K/V
-    must land in the dummy block, one block past those the allocator hands out; assign a whole field at once,
-    e.g. `self.host["seq_lens"][:bucket] = torch.tensor([...], dtype=torch.int32)`.
+    out"; "The pitfalls", "Padded rows must be invisible"): the dummy block is one block past those the
+    allocator hands out; a field can be written whole from a list.
     """
     raise NotImplementedError("write StaticDecodeInputs.write_rows: see the hints in its docstring")

@@ -23,28 +23,25 @@ def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, ep
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + update, RMSNorm(x + update)), every row in one launch of a Triton kernel that you write.
 
-    `x` and `update` are `[tokens, hidden]`, contiguous, of one dtype (float32 on a CPU, bfloat16 on a GPU):
-    the residual stream and a sublayer's output. `weight` is the norm's `[hidden]`, `eps` its epsilon. Return
-    two new tensors shaped and typed like `x`:
+    Inputs: `x` and `update`, `[tokens, hidden]`, contiguous, of one dtype (float32 on a CPU, bfloat16 on a
+    GPU): the residual stream and a sublayer's output; `weight`, the norm's `[hidden]`; `eps`, its epsilon;
+    `pdl`, whether to use a Hopper GPU's programmatic dependent launch (always False on a CPU).
+    Returns: two new tensors shaped and typed like `x`:
     - `total`: x + update, added in float32 and rounded once to x's dtype (exactly PyTorch's `x + update`);
     - `normed`: RMSNorm(total) as `common/model.py`'s `RMSNorm` computes it: with t = total (as rounded) in
       float32, `t * rsqrt(sum(t * t) / hidden + eps)`, rounded to x's dtype, then times `weight` in float32,
       rounded to x's dtype again.
-    The kernel: one program per row (grid `(tokens,)`, the row is `tl.program_id(0)`; row r starts at element
-    `r * hidden`); the row's columns `tl.arange(0, BLOCK)` with `BLOCK = triton.next_power_of_2(hidden)` a
-    `tl.constexpr`, masked by `cols < hidden` on every load and store (load with `other=0.0`: the padding adds
-    nothing to the sum of squares). It reads x and update once, and stores total and normed.
-    `pdl` (a Hopper GPU's programmatic dependent launch; always False on a CPU): give the kernel a
-    `PDL: tl.constexpr` argument, make `wait_for_previous_kernel(PDL)` its first line, before any load, and
-    launch it with `PDL=pdl, launch_pdl=pdl`.
+    Rule: one program per row, which reads its row of x and update once and stores total and normed. A row
+    wider than a power of two is padded to one and masked: the padding must add nothing to the sum of squares.
+    With `pdl`, the kernel waits for the previous kernel (`wait_for_previous_kernel`) before its first load,
+    and is launched with PDL on.
+
     Example: hidden 3, eps 0, weight [1, 1, 2], x [[1, 2, 3]], update [[1, 0, -1]] -> total [[2, 2, 2]];
     mean square 4, rms 2 -> normed [[1, 1, 2]].
 
     Hints (step13_fused_decode/README.md, "The idea: take step 12's bar apart", its worked example "one kernel
-    instead of nine"; "The pitfalls", "Rounding moves"):
-    - launch as `_add_rms_norm_kernel[(tokens,)](x, update, weight, total, normed, hidden, eps, BLOCK=..., ...)`
-      into `torch.empty_like(x)` outputs; inside, a tensor argument is a pointer: `tl.load(X + offsets, mask=...)`;
-    - `tl.sum(v, axis=0)`, `tl.rsqrt`, `.to(tl.float32)`; `OUT.dtype.element_ty` is the dtype `OUT` points to;
-    - round where PyTorch rounds: the sum before it is normalised, the normalised row before the weight.
+    instead of nine"; "The pitfalls", "Rounding moves"): `rms_norm`'s kernel in
+    `step13_fused_decode/fused_kernels.py` is a row kernel and its launch, without the add; round where PyTorch
+    rounds.
     """
     raise NotImplementedError("write fused_kernels.add_rms_norm: see the hints in its docstring")

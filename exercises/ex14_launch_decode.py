@@ -12,26 +12,25 @@ from step14_overlap_scheduling.engine import LaunchAheadBatch, LaunchedDecode, O
 
 def launch_decode(self: OverlapSchedulingEngine, requests: list[SpeculativeRequest],
                   previous: LaunchedDecode | None = None) -> LaunchedDecode:
-    """Launch one decode step of `requests` (row i is `requests[i]`) without waiting for it, and return it as
-    `LaunchedDecode(requests, seq_lens, tokens)`: the requests, each row's length, the step's `PendingTokens`.
+    """Launch one decode step of `requests` (row i is `requests[i]`) without waiting for it, and return it.
 
-    `previous` is the step launched just before, whose tokens the host has not read yet. A request in it
-    (its row there is `previous.row_of[request]`) is one token further along than the host knows: that token
-    was sampled by its row of `previous`, is still on the device, and is not in `request.output_token_ids`.
-    Its row here therefore has:
-    - `token_ids`: 0, a placeholder (the graph reads the real token on the device, from `previous_rows`);
-    - `previous_rows`: its row in `previous`;
-    - `seq_lens`: `request.num_tokens + 1` (the pending token is this step's input, the last of its sequence);
-    - `output_positions`: `len(request.output_token_ids) + 1` (the position in its output of the token this
-      step draws: a seeded sampler draws by it).
-    Every other request (no `previous`, or not in it) has its input on the host, as in step 12's `launch`:
-    `request.output_token_ids[-1]`, previous row -1, length `request.num_tokens`, output position
-    `len(request.output_token_ids)`. For every row, `self.grow_block_table(request, seq_len)` first (a new block
-    if that length crosses into one), then `request.block_table` and `request.params`. Launch with
-    `self.graphs.launch(LaunchAheadBatch(token_ids, seq_lens, tables, params, output_positions, previous_rows))`.
-    The lengths you return are what `decode` checks next step: it takes this step only if it `covers` that
-    step's batch (each request computed at the length it has by then); rows of requests that finished
-    meanwhile are never read, since `decode` picks each request's token by `row_of`.
+    Inputs: `requests`, this step's decoders; `previous`, the step launched just before (or None), whose tokens
+    the host has not read yet. A request in it (its row there: `previous.row_of[request]`) is one token further
+    along than the host knows: that token, sampled by its row of `previous`, is still on the device and not in
+    `request.output_token_ids`.
+    Returns: `LaunchedDecode(requests, seq_lens, tokens)`: the requests, each row's length, and the step's
+    `PendingTokens` from `self.graphs.launch(LaunchAheadBatch(token_ids, seq_lens, tables, params,
+    output_positions, previous_rows))`.
+    Rule: never wait for `previous` (reading its tokens would stall the host until the device is done, and
+    nothing would overlap). A row whose request is in `previous` takes its input from there, on the device: token
+    0 as a placeholder, previous row = its row in `previous`, length `request.num_tokens + 1` (the pending token
+    is this step's input), output position `len(request.output_token_ids) + 1` (where in its output the token this
+    step draws goes: a seeded sampler draws by it). Any other row has its input on the host, as in step 12's
+    `launch`: its last output token, previous row -1, length `request.num_tokens`, output position
+    `len(request.output_token_ids)`. Each row's block table must have room for its length first
+    (`self.grow_block_table(request, seq_len)`), then goes in with its `request.params`. The lengths returned are
+    what `decode` checks next step (it takes this step only if it `covers` that step's batch).
+
     Example: `previous` had rows [a, b, c]; `requests` = [a, c, d], d not in `previous` (prefilled this step,
     its first token 77 on the host). a: prompt 10, outputs 3; c: prompt 7, outputs 5; d: prompt 6, outputs
     [77] -> token_ids [0, 0, 77], previous_rows [0, 2, -1], seq_lens [14, 13, 7], output_positions [4, 6, 1];

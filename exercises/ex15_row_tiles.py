@@ -11,19 +11,20 @@ import torch
 
 
 def row_tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), x: [rows, in_features], weight: [out_features, in_features], computed so that row i
-    of the result depends on row i of x alone, bit for bit, however many rows x has.
+    """x @ weight.T (+ bias), each row of the result the same bits however many rows x has.
 
-    The library behind `torch.mm` picks its method by the shape it is handed (a matrix-vector kernel for one
-    row, blocked kernels for more), and each method rounds differently. So never hand it a shape that depends on
-    the batch: multiply in tiles of exactly `ROW_TILE` rows (16, from `step15_batch_invariant.invariant_ops`),
-    the last tile padded with rows of zeros, and keep the first `rows` rows of the result. Add the bias after
-    the multiply: an element-wise add is the same in any batch.
+    Inputs: `x`, `[rows, in_features]`; `weight`, `[out_features, in_features]`; `bias`, `[out_features]` or None.
+    Returns: `[rows, out_features]`, x @ weight.T + bias.
+    Rule: row i of the result depends on row i of x alone, bit for bit. The library behind `torch.mm` picks its
+    method by the shape it is handed (a matrix-vector kernel for one row, blocked kernels for more), and each
+    method rounds differently: so never hand it a shape that depends on the batch. Multiply in tiles of exactly
+    `ROW_TILE` rows (16, from `step15_batch_invariant.invariant_ops`), the last tile padded with rows of zeros,
+    and keep the first `rows` rows. The bias is added after the multiply: an element-wise add is the same in any
+    batch.
 
-    Example: 40 rows are three calls of 16 rows (the third holding 8 rows and 8 rows of zeros); 1 row is one
-    call of 16. Row 0 goes through the same 16-row call in both, so it comes out the same.
+    Example: 40 rows are three multiplies of 16 rows (the third holding 8 rows and 8 rows of zeros); 1 row is
+    one multiply of 16. Row 0 goes through the same 16-row multiply in both, so it comes out the same.
 
-    Hints (step15_batch_invariant/README.md, "Fix 1: one shape for every multiply"): `F.pad(x, (0, 0, 0, n))`
-    adds n rows of zeros at the end; `.view(-1, ROW_TILE, in_features)` cuts the rows into tiles.
+    Hints (step15_batch_invariant/README.md, "Fix 1: one shape for every multiply").
     """
     raise NotImplementedError("write step15_batch_invariant.invariant_ops.row_tiled_linear: see the hints")

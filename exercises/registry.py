@@ -26,6 +26,9 @@ class Exercise:
     tests: tuple[str, ...]  # pytest arguments that select the step's real tests of this code (fast ones)
     step: str  # the step whose dry run runs with the learner's code in place
     lesson: str  # the lesson that teaches it, for the hints
+    # A plausible wrong answer that skips the step's idea, in one line: the selected tests must fail on it
+    # (tests/exercise_wrong_answers.py holds it, and tests/test_exercises.py checks that they do)
+    skips_idea: str
 
     @property
     def target_owner(self) -> type | ModuleType:
@@ -65,9 +68,10 @@ EXERCISES = [
         id="04-shard-layer",
         stub_module="ex04_shard_layer",
         target="step04_multi_gpu.sharding:shard_layer",
-        tests=("tests/test_step04_tensor_parallel.py", "-k", "sums_to_the_whole or one_process_tokens and qwen3"),
+        tests=("tests/test_step04_tensor_parallel.py", "-k", "sums_to_the_whole"),
         step="step04_multi_gpu",
         lesson="step04_multi_gpu/README.md",
+        skips_idea="o_proj and down_proj cut by rows but left plain nn.Linear: no all-reduce adds the partial sums",
     ),
     Exercise(
         id="01-contiguous-attend",
@@ -76,6 +80,7 @@ EXERCISES = [
         tests=("tests/test_step01_serial.py", "-k", "staggered_arrivals and llama or contiguous_reservation"),
         step="step01_serial",
         lesson="step01_serial/README.md",
+        skips_idea='the new K/V stored, but attention over the new tokens only, not the cached prefix',
     ),
     Exercise(
         id="02-slot-mapping",
@@ -84,6 +89,7 @@ EXERCISES = [
         tests=("tests/test_step02_step03_paged_kv.py", "-k", "translation_is_printed"),
         step="step02_paged_kv",
         lesson="step02_paged_kv/README.md",
+        skips_idea='the block table ignored: the position used as the slot',
     ),
     Exercise(
         id="03-vectorized-gather",
@@ -93,15 +99,17 @@ EXERCISES = [
                "equal_the_loops or staggered_arrivals and Vectorized and llama-4"),
         step="step03_vectorized_gather",
         lesson="step03_vectorized_gather/README.md",
+        skips_idea="one indexing operation, but each request's blocks taken as consecutive from its first",
     ),
     Exercise(
         id="05-own-time",
         stub_module="ex05_own_time",
         target="common.profiling.trace:nesting",
         tests=("tests/test_step05_profiling.py", "-k",
-               "nesting_gives_own_times or kernels_go_to_the_phase or cover_the_step"),
+               "nesting_gives_own_times or kernels_go_to_the_phase or overlapping_kernels"),
         step="step05_profiling",
         lesson="step05_profiling/README.md",
+        skips_idea='every range inside a range taken off its time, not only those directly inside',
     ),
     Exercise(
         id="05-count-syncs",
@@ -110,6 +118,7 @@ EXERCISES = [
         tests=("tests/test_step05_profiling.py", "-k", "sync_per_layer or kernels_go_to_the_phase"),
         step="step05_profiling",
         lesson="step05_profiling/README.md",
+        skips_idea='no sync counted on a CPU ("no device to wait for"): the reads that stall a GPU go unseen',
     ),
     Exercise(
         id="06-merge-splits",
@@ -119,6 +128,7 @@ EXERCISES = [
                "worked_example or unsplit_reference or in_splits and llama"),
         step="step06_paged_attention",
         lesson="step06_paged_attention/README.md",
+        skips_idea="the parts' sums added without rescaling each to the row's largest max",
     ),
     Exercise(
         id="07-choose-victim",
@@ -128,6 +138,7 @@ EXERCISES = [
                "newest_admission or never_prefilled or runs_at_once and recompute"),
         step="step07_preemption",
         lesson="step07_preemption/README.md",
+        skips_idea='the oldest admission picked among equals, not the newest',
     ),
     Exercise(
         id="07-preempt",
@@ -136,6 +147,7 @@ EXERCISES = [
         tests=("tests/test_step07_preemption.py", "-k", "keeps_what_was_computed or never_prefilled"),
         step="step07_preemption",
         lesson="step07_preemption/README.md",
+        skips_idea='a request never prefilled preempted (and swapped) like the others, not put back',
     ),
     Exercise(
         id="09-token-budget",
@@ -147,6 +159,7 @@ EXERCISES = [
                "(tiny-llama-4-1] or tiny-llama-4-3]) or preemption_under_a_tiny_kv_budget and tiny-llama-3-recompute"),
         step="step09_chunked_prefill",
         lesson="step09_chunked_prefill/README.md",
+        skips_idea="prompt chunks given the whole budget, the decoders' tokens on top",
     ),
     Exercise(
         id="10-block-keys",
@@ -157,6 +170,7 @@ EXERCISES = [
                "hit_counters or caching_on_and_off and tiny-qwen2-True-recompute"),
         step="step10_prefix_caching",
         lesson="step10_prefix_caching/README.md",
+        skips_idea="each block hashed by its own tokens, without the previous block's key",
     ),
     Exercise(
         id="10-lru-evict",
@@ -166,6 +180,7 @@ EXERCISES = [
                "least_recently_used_first or caching_on_and_off and tiny-llama-True"),
         step="step10_prefix_caching",
         lesson="step10_prefix_caching/README.md",
+        skips_idea='the most recently used cached block evicted first',
     ),
     Exercise(
         id="11-accept-greedy",
@@ -175,6 +190,7 @@ EXERCISES = [
                "greedy_acceptance or partly_wrong and 4 or proposals_kept and tiny-qwen2-4"),
         step="step11_speculative_decoding",
         lesson="step11_speculative_decoding/README.md",
+        skips_idea='every proposal accepted',
     ),
     Exercise(
         id="11-proposal-counts",
@@ -184,6 +200,7 @@ EXERCISES = [
                "proposals_that_pay or must_pay or stops_at_the_budget or stops_speculating"),
         step="step11_speculative_decoding",
         lesson="step11_speculative_decoding/README.md",
+        skips_idea='as many proposals as the limit allows, whether they pay or not',
     ),
     Exercise(
         id="12-graph-bucket",
@@ -193,6 +210,7 @@ EXERCISES = [
                "padded_rows or empty_batch or joining_and_leaving and tiny-qwen3-4"),
         step="step12_cuda_graph",
         lesson="step12_cuda_graph/README.md",
+        skips_idea='padded rows on block 0 (zeros), not on the dummy block',
     ),
     Exercise(
         id="13-add-rmsnorm",
@@ -201,6 +219,7 @@ EXERCISES = [
         tests=("tests/test_step13_fused_kernels.py", "-k", "test_add_rms_norm or on_cublas"),
         step="step13_fused_decode",
         lesson="step13_fused_decode/README.md",
+        skips_idea="the norm of the sublayer's output alone, without the residual added",
     ),
     Exercise(
         id="14-launch-decode",
@@ -208,9 +227,10 @@ EXERCISES = [
         target="step14_overlap_scheduling.engine:OverlapSchedulingEngine.launch_decode",
         tests=("tests/test_step14_overlap_scheduling.py", "-k",
                "joining_and_leaving and tiny-qwen3-4-True or stops_where and llama or abort and llama "
-               "or output_position"),
+               "or output_position or without_waiting"),
         step="step14_overlap_scheduling",
         lesson="step14_overlap_scheduling/README.md",
+        skips_idea='the step before waited for and its tokens read on the host before the launch (a sync)',
     ),
     Exercise(
         id="15-row-tiles",
@@ -220,6 +240,7 @@ EXERCISES = [
                "row_tiled or alone_and_batched_under_any_budget and llama or reference_tokens and qwen3"),
         step="step15_batch_invariant",
         lesson="step15_batch_invariant/README.md",
+        skips_idea='the linear called on the whole batch at once',
     ),
     Exercise(
         id="15-split-attention",
@@ -229,6 +250,7 @@ EXERCISES = [
                "split_attention or alone_and_batched_under_any_budget and qwen2 or prefix_cache_hit and llama"),
         step="step15_batch_invariant",
         lesson="step15_batch_invariant/README.md",
+        skips_idea='the whole softmax at once through a batched matmul, not in fixed pieces',
     ),
 ]
 

@@ -25,8 +25,11 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -228,13 +231,54 @@ def watch_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="watch-parent").start()
 
 
-def run_worker(launch: Launch, step_name: str, config: EngineConfig) -> None:
-    """The entry point of a spawned worker process."""
+def run_worker(launch: Launch, step_name: str, config: EngineConfig, errors: Connection | None = None) -> None:
+    """The entry point of a spawned worker process. Its error, if it raises one, goes to rank 0 through `errors`
+    (its traceback): a worker's stderr may be captured (pytest, a notebook) or lost, and rank 0 reports it."""
     try:
         follow_rank_zero(launch, step_name, config)
-    except Exception as err:  # report it in one line, then die: rank 0 sees the exit and stops the rest
+    except Exception as err:  # report it, then die: rank 0 sees the exit and stops the rest
         print(f"[rank {launch.rank}] {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        if errors is not None:
+            errors.send(traceback.format_exc())
         raise SystemExit(1) from err
+
+
+@dataclasses.dataclass
+class Worker:
+    """A spawned rank, and the read end of the pipe through which it sends its error's traceback if it fails."""
+
+    process: BaseProcess
+    errors: Connection
+    error: str | None = None  # the traceback it sent, once read
+
+    @property
+    def rank(self) -> str:
+        return self.process.name.removeprefix("rank-")
+
+    def exit_report(self) -> str | None:
+        """If the process exited with an error: which rank, its exit code and its traceback (if it sent one)."""
+        code = self.process.exitcode
+        if code in (None, 0):
+            return None
+        if self.error is None and self.errors.poll():
+            try:
+                self.error = self.errors.recv()
+            except EOFError:  # the pipe closed with nothing in it: the process was killed
+                self.error = ""
+        said = (f"; its error:\n{self.error.rstrip()}" if self.error
+                else " and reported no error (killed, or it died before Python could say why)")
+        return f"rank {self.rank} exited with code {code}{said}"
+
+
+def spawn_worker(launch: Launch, step_name: str, config: EngineConfig) -> Worker:
+    """Start rank `launch.rank` in a new process (spawned: it imports the project afresh)."""
+    spawn = mp.get_context("spawn")
+    receive, send = spawn.Pipe(duplex=False)
+    process = spawn.Process(target=run_worker, args=(launch, step_name, config, send), daemon=True,
+                            name=f"rank-{launch.rank}")
+    process.start()
+    send.close()  # the child holds its own copy: the parent only reads
+    return Worker(process, receive)
 
 
 class TensorParallelEngine:
@@ -255,16 +299,12 @@ class TensorParallelEngine:
         device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")
         loaded = load_model(config.model, device, config.resolved_dtype(), config.seed)
         check_divides(loaded.model.config, world)  # before any process is spawned
-        self.world_size, self.workers, self.stopping = world, [], False
+        self.world_size, self.stopping = world, False
+        self.ranks: list[Worker] = []
         address = None if torchrun else free_address()
         if not torchrun:
-            spawn = mp.get_context("spawn")
-            for rank in range(1, world):
-                launch = Launch(rank, world, device_type, address, backend)
-                worker = spawn.Process(target=run_worker, args=(launch, step_name, config), daemon=True,
-                                       name=f"rank-{rank}")
-                worker.start()
-                self.workers.append(worker)
+            self.ranks = [spawn_worker(Launch(rank, world, device_type, address, backend), step_name, config)
+                          for rank in range(1, world)]
             self.watcher = threading.Thread(target=self.watch_workers, daemon=True, name="watch-ranks")
             self.watcher.start()
         atexit.register(self.close)
@@ -328,12 +368,16 @@ class TensorParallelEngine:
         dist.gather_object(self.log.report(0, self.engine), reports, dst=0, group=self.control)
         return reports
 
+    @property
+    def workers(self) -> list[BaseProcess]:
+        """The other ranks' processes."""
+        return [worker.process for worker in self.ranks]
+
     def dead_rank(self) -> str | None:
-        """What to say of the first worker that exited, if one has."""
-        for worker in self.workers:
-            if worker.exitcode not in (None, 0):
-                return (f"rank {worker.name.removeprefix('rank-')} exited with code {worker.exitcode} (its error, "
-                        "if it had one, is above): stopping every rank")
+        """What to say of the first worker that exited, if one has: which, and its error."""
+        for worker in self.ranks:
+            if (report := worker.exit_report()) is not None:
+                return f"stopping every rank: {report}"
         return None
 
     def raise_if_a_rank_died(self, err: Exception) -> None:

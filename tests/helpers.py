@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -34,6 +34,25 @@ if TYPE_CHECKING:
     from step07_preemption.engine import PreemptionEngine
     from step09_chunked_prefill.engine import ChunkedPrefillEngine
     from step12_cuda_graph.engine import CudaGraphEngine
+
+# ----- messages ---------------------------------------------------------------------------------------------
+
+
+def first_difference(expected: Sequence[Any], got: Sequence[Any], around: int = 3) -> str:
+    """Where `got` first differs from `expected`, in one line: two token lists, or two lists of them (one per
+    request). Shows the position and a few tokens either side, not the whole lists."""
+    if expected and isinstance(expected[0], (list, tuple)):
+        for i, (want, have) in enumerate(zip(expected, got)):
+            if list(want) != list(have):
+                return f"request {i}: {first_difference(want, have, around)}"
+        return f"expected {len(expected)} requests' tokens, got {len(got)}"
+    at = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    start = max(0, at - around)
+    dots = "..., " if start else ""
+    return (f"first difference at position {at} (of {len(expected)} expected, {len(got)} got): expected "
+            f"[{dots}{', '.join(map(str, expected[start:at + around + 1]))}], got "
+            f"[{dots}{', '.join(map(str, got[start:at + around + 1]))}]")
+
 
 # ----- reference outputs ------------------------------------------------------------------------------------
 
@@ -111,8 +130,10 @@ def assert_blocks_held_once_per_holder(engine: Any) -> None:
 def assert_nothing_left(engine: Any, requests: Iterable[Request] = ()) -> None:
     """The engine holds no request and no block; and each of `requests`, finished or aborted, holds nothing
     either: no block, no host copy of its K/V."""
-    assert not engine.requests and not engine.running and not engine.waiting and not getattr(engine, "swapped", [])
-    assert engine.allocator.num_used == 0
+    held = {"requests": len(engine.requests), "running": len(engine.running), "waiting": len(engine.waiting),
+            "swapped": len(getattr(engine, "swapped", []))}
+    assert set(held.values()) == {0}, f"the engine still holds requests at the end: {held}"
+    assert engine.allocator.num_used == 0, f"{engine.allocator.num_used} blocks still held at the end"
     for request in requests:
         assert not request.block_table, f"{request.request_id} still holds blocks"
         assert getattr(request, "host_kv", None) is None, "host (pinned) memory of a swapped request was not released"
@@ -141,7 +162,8 @@ def run_checked(engine: PreemptionEngine, prompts: list[list[int]], params: Samp
         assert_blocks_held_once_per_holder(engine)
     assert sorted(finished) == sorted(ids), "a request was lost or finished twice"
     for rid, request in requests.items():
-        assert streamed[rid] == request.text  # the streamed text is exactly the final text
+        assert streamed[rid] == request.text, (  # the streamed text is exactly the final text
+            f"{rid}: streamed {streamed[rid]!r}, final text {request.text!r}")
     assert_nothing_left(engine, requests.values())
     return [requests[rid].output_token_ids for rid in ids], finished
 

@@ -35,9 +35,12 @@ def test_tiny_models_match_hf_with_staggered_arrivals(arch: str) -> None:
     prompts = [engine.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:6]]
     completions = staggered_generate(engine, prompts, SamplingParams(max_tokens=10), arrive_every=1)
     reports = check_against_reference(engine, prompts, completions, max_tokens=10)
-    assert [r.describe() for r in reports] == ["identical"] * len(prompts)
-    assert all(len(c.token_ids) == 10 for c in completions)
-    assert not engine.requests and engine.kv_tokens_reserved > 0  # every cache was counted, and released
+    for i, report in enumerate(reports):
+        assert report.equal, f"{arch}, request {i} (joined at step {i}): not HF's tokens: {report.describe()}"
+    lengths = [len(c.token_ids) for c in completions]
+    assert lengths == [10] * len(prompts), f"expected 10 tokens per request (max_tokens), got {lengths}"
+    assert not engine.requests, f"{len(engine.requests)} requests still held after every one finished"
+    assert engine.kv_tokens_reserved > 0, "no KV cache was counted as reserved"
 
 
 @pytest.mark.embedded
@@ -154,8 +157,12 @@ def test_contiguous_reservation_is_measured() -> None:
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     params = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, stop_token_ids=list(range(49152)))]
     completions = engine.generate(prompts, params)
-    assert [len(c.token_ids) for c in completions] == [20, 1]  # the second stops at its first token
-    assert engine.kv_tokens_reserved == (3 + 20) + (5 + 20)
+    lengths = [len(c.token_ids) for c in completions]
+    assert lengths == [20, 1], f"tokens per request {lengths}, expected [20, 1] (the second stops at its first)"
+    reserved = engine.kv_tokens_reserved
+    assert reserved == (3 + 20) + (5 + 20), f"{reserved} KV slots reserved, expected prompt + max_tokens each: 48"
     # Every token but the last sampled one went through a forward and so into the cache.
-    assert engine.kv_tokens_used == (3 + 20 - 1) + (5 + 1 - 1)
-    assert "48 token slots reserved" in engine.memory_report() and "27 filled" in engine.memory_report()
+    used = engine.kv_tokens_used
+    assert used == (3 + 20 - 1) + (5 + 1 - 1), f"{used} KV slots filled, expected 22 + 5 = 27"
+    report = engine.memory_report()
+    assert "48 token slots reserved" in report and "27 filled" in report, f"the memory report says: {report}"

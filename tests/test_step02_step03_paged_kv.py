@@ -134,13 +134,15 @@ def test_vectorized_gather_and_write_equal_the_loops() -> None:
             for name, got, want in (("K", vk, lk), ("V", vv, lv)):
                 wrong = (got[i, :n] != want[i, :n]).flatten(1).any(-1).nonzero().flatten().tolist()
                 assert not wrong, f"layer {layer}, request {i}: gathered {name} differs at positions {wrong}"
-            assert torch.equal(lk[i, n - 1], new_k[i])
-    assert torch.equal(loop_cache.k, vec_cache.k) and torch.equal(loop_cache.v, vec_cache.v)
+            assert torch.equal(lk[i, n - 1], new_k[i]), f"layer {layer}, request {i}: its new key is not last"
+    assert torch.equal(loop_cache.k, vec_cache.k) and torch.equal(loop_cache.v, vec_cache.v), (
+        "the vectorized write_kv left the pool different from the loops' (decode)")
 
     prompt_k, prompt_v = torch.randn(10, *kv_shape[1:]), torch.randn(10, *kv_shape[1:])
     PagedPrefillForward(loop_cache, tables[0], 10, torch.device("cpu")).write_kv(1, prompt_k, prompt_v)
     VectorizedPrefillForward(vec_cache, tables[0], 10, torch.device("cpu")).write_kv(1, prompt_k, prompt_v)
-    assert torch.equal(loop_cache.k, vec_cache.k) and torch.equal(loop_cache.v, vec_cache.v)
+    assert torch.equal(loop_cache.k, vec_cache.k) and torch.equal(loop_cache.v, vec_cache.v), (
+        "the vectorized write_kv left the pool different from the loops' (prefill)")
 
 
 def test_block_allocator_invariants() -> None:
@@ -161,15 +163,18 @@ def test_block_table_translation_is_printed_for_scattered_blocks() -> None:
     """The lesson's printout: a request whose blocks are not contiguous, position by position."""
     engine = PagedEngine.from_config(PagedEngineConfig(model="tiny-llama", device="cpu", block_size=4, num_blocks=64))
     engine.generate([[5, 6, 7, 8, 9], [10, 11, 12]], SamplingParams(max_tokens=12))
-    assert engine.scattered_example is not None
+    assert engine.scattered_example is not None, "no request had scattered blocks to show"
     request_id, table, num_tokens = engine.scattered_example
-    assert any(b != a + 1 for a, b in zip(table, table[1:]))
+    assert any(b != a + 1 for a, b in zip(table, table[1:])), f"the example's block table {table} is contiguous"
     text = engine.memory_report()
-    assert f"request {request_id}" in text
+    assert f"request {request_id}" in text, f"the memory report does not name request {request_id}: {text}"
     for position in range(num_tokens):
         block = table[position // 4]
-        assert engine.cache.slot(table, position) == block * 4 + position % 4
-    assert f"block  1 -> {table[1]:4d}" in text
+        got = engine.cache.slot(table, position)
+        assert got == block * 4 + position % 4, (
+            f"block table {table}, blocks of 4: position {position} is logical block {position // 4} = physical "
+            f"block {block}, offset {position % 4}: slot {block * 4 + position % 4}, got slot {got}")
+    assert f"block  1 -> {table[1]:4d}" in text, f"the report does not show logical block 1 -> {table[1]}: {text}"
 
 
 @pytest.mark.embedded

@@ -25,7 +25,7 @@ from common.sampling import SamplingParams
 from common.steps import STEP_NAMES, find_step
 from step04_multi_gpu import sharding
 from step04_multi_gpu.sharding import TensorParallelConfigError
-from step04_multi_gpu.tensor_parallel import TensorParallelEngine, check_world
+from step04_multi_gpu.tensor_parallel import Launch, TensorParallelEngine, check_world, free_address, spawn_worker
 from tests.helpers import PARITY_MAX_TOKENS, step01_tokens
 
 FINAL = STEP_NAMES[-1]
@@ -63,9 +63,12 @@ class CausalAttention(ForwardContext):
 
 @pytest.mark.parametrize("model, size", SPLITS)
 def test_a_sharded_layer_sums_to_the_whole_one(model: str, size: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No processes: each rank's share of a layer is cut from a copy, its all-reduce left out, and the shares'
-    partial outputs added by hand. Attention and MLP each give the whole layer's output."""
-    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, group=None: tensor)  # summed below
+    """No processes: each rank's share of a layer is cut from a copy, and the shares' partial outputs added by
+    hand. Attention and MLP each give the whole layer's output, and each calls one all-reduce on its whole
+    output (recorded here, not run: with one process there is nobody to add): without it, a rank would go on
+    with its partial sum."""
+    reduced: list[tuple[int, ...]] = []  # the shape of each tensor handed to an all-reduce
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, group=None: reduced.append(tuple(tensor.shape)))
     whole = load_model(model).model
     layer = whole.model.layers[0]
     x = torch.randn(5, whole.config.hidden_size)
@@ -73,12 +76,20 @@ def test_a_sharded_layer_sums_to_the_whole_one(model: str, size: int, monkeypatc
     shares = [copy.deepcopy(layer) for _ in range(size)]
     for rank, share in enumerate(shares):
         sharding.shard_layer(share, rank, size, None)
-        assert share.self_attn.num_heads * size == layer.self_attn.num_heads
+        heads = (share.self_attn.num_heads, share.self_attn.num_kv_heads)
+        assert heads == (layer.self_attn.num_heads // size, layer.self_attn.num_kv_heads // size), (
+            f"rank {rank} of {size} counts (query heads, KV heads) {heads}; the whole layer has "
+            f"{(layer.self_attn.num_heads, layer.self_attn.num_kv_heads)}")
     with torch.no_grad():
-        attention = sum(s.self_attn(x, CausalAttention(5), rope) for s in shares)
-        mlp = sum(s.mlp(x) for s in shares)
-        torch.testing.assert_close(attention, layer.self_attn(x, CausalAttention(5), rope))
-        torch.testing.assert_close(mlp, layer.mlp(x))
+        for part, run in (("attention", lambda s: s.self_attn(x, CausalAttention(5), rope)), ("MLP", lambda s: s.mlp(x))):
+            reduced.clear()
+            partial = [run(s) for s in shares]
+            assert reduced == [tuple(x.shape)] * size, (
+                f"the {part} of {size} ranks' shares called all-reduce on tensors of shapes {reduced}; expected one "
+                f"all-reduce of the {tuple(x.shape)} output per rank (a row-parallel o_proj / down_proj)")
+            expected = layer.self_attn(x, CausalAttention(5), rope) if part == "attention" else layer.mlp(x)
+            torch.testing.assert_close(sum(partial), expected, msg=lambda m, part=part: f"{part}: the ranks' partial "
+                                       f"outputs do not add up to the whole layer's\n{m}")
 
 
 @pytest.mark.parametrize("model, size", SPLITS)
@@ -225,6 +236,20 @@ def test_a_rank_that_dies_takes_the_others_down_with_a_clear_error() -> None:
     rest, _ = run.communicate(timeout=60)
     assert run.returncode == 1
     assert "rank 1 exited with code -9" in rest and "stopping every rank" in rest
+
+
+def test_a_rank_that_raises_sends_its_traceback_to_rank_0() -> None:
+    """A worker whose engine cannot be built (a model that does not exist) exits with code 1, and what rank 0
+    says of it (the RankDiedError's message) carries the worker's exception, not just its exit code: a
+    worker's stderr is captured by pytest and a notebook, so it would be lost."""
+    config = find_step(FINAL).engine_class().config_class(model="no-such-model", device="cpu")
+    worker = spawn_worker(Launch(0, 1, "cpu", free_address()), FINAL, config)  # a world of one: joins at once
+    worker.process.join(timeout=120)
+    report = worker.exit_report()
+    assert report is not None, f"the worker did not exit with an error (exit code {worker.process.exitcode})"
+    assert report.startswith("rank 0 exited with code 1; its error:"), f"the report names no error: {report}"
+    assert "ModelLoadError: unknown model 'no-such-model'" in report, f"the worker's exception is missing: {report}"
+    assert "Traceback" in report, f"the worker's traceback is missing: {report}"
 
 
 def test_step13s_fused_kernels_are_refused_until_they_are_split() -> None:

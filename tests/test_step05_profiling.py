@@ -89,8 +89,10 @@ def test_sync_per_layer_shows_as_one_host_read_per_layer(tmp_path: Path) -> None
     layers = load_model(TINY).model.config.num_layers
     plain = profile_steps(decoding("step06_paged_attention"), 3, tmp_path / "plain.json")
     synced = profile_steps(decoding("step06_paged_attention", {"sync_per_layer": True}), 3, tmp_path / "sync.json")
-    assert [s.syncs for s in plain.steps] == [0, 0, 0]
-    assert [s.syncs for s in synced.steps] == [layers] * 3
+    plain_syncs, synced_syncs = [s.syncs for s in plain.steps], [s.syncs for s in synced.steps]
+    assert plain_syncs == [0, 0, 0], f"step 06 reads nothing back in a step: counted {plain_syncs} syncs in 3 steps"
+    assert synced_syncs == [layers] * 3, (f"--sync-per-layer reads one value back in each of {layers} layers: "
+                                          f"expected {[layers] * 3} syncs in 3 steps, counted {synced_syncs}")
 
 
 def test_run_py_profile_flag_prints_the_table_and_writes_the_trace(capsys: pytest.CaptureFixture[str],
@@ -125,7 +127,10 @@ def test_nesting_gives_own_times_and_depths() -> None:
     after = ev("user_annotation", "process outputs", 100, 20)
     # Looked up on its module when the test runs, as the exercise 05-own-time swaps it there.
     got = {e.name: (own, depth) for e, own, depth in trace.nesting([after, innermost, outer, inner])}
-    assert got == {"sample": (70, 0), "forward": (25, 1), "prepare inputs": (5, 2), "process outputs": (20, 0)}
+    expected = {"sample": (70, 0), "forward": (25, 1), "prepare inputs": (5, 2), "process outputs": (20, 0)}
+    wrong = {name: f"(own, depth) {got.get(name)}, expected {want}" for name, want in expected.items()
+             if got.get(name) != want}
+    assert not wrong, f"sample 0-100 > forward 10-40 > prepare inputs 12-17, then process outputs 100-120: {wrong}"
 
 
 def test_gpu_trace_kernels_go_to_the_phase_that_launched_them() -> None:
@@ -145,10 +150,16 @@ def test_gpu_trace_kernels_go_to_the_phase_that_launched_them() -> None:
         ev("kernel", "paged_decode_split_kernel", 650, 100, correlation=2, tid=7),
     ]
     [step] = read_steps(events, weight_read_ms=0.3, on_gpu=True)
-    assert step.ms == 1.0 and step.launches == 2 and step.kernels == 2 and step.syncs == 1
-    assert step.gpu_ms["forward"] == pytest.approx(0.6) and step.kernels_by_phase["forward"] == 2
-    assert step.host_ms["sample"] == pytest.approx(0.6) and step.host_ms["not in a phase"] == pytest.approx(0.0)
-    assert step.gpu_busy_ms == pytest.approx(0.6) and sum(step.breakdown.values()) == pytest.approx(step.ms)
+    counts = {"ms": step.ms, "launches": step.launches, "kernels": step.kernels, "syncs": step.syncs}
+    assert counts == {"ms": 1.0, "launches": 2, "kernels": 2, "syncs": 1}, (
+        f"one step of 1 ms, 2 launches, 2 kernels and one cudaStreamSynchronize; read {counts}")
+    assert step.gpu_ms["forward"] == pytest.approx(0.6) and step.kernels_by_phase["forward"] == 2, (
+        f"the forward launched both kernels (0.6 ms of GPU time); read {step.gpu_ms} and {step.kernels_by_phase}")
+    assert step.host_ms["sample"] == pytest.approx(0.6) and step.host_ms["not in a phase"] == pytest.approx(0.0), (
+        f"the host sampled for 0.6 ms and every microsecond is in a phase; read {step.host_ms}")
+    assert step.gpu_busy_ms == pytest.approx(0.6), f"the GPU was busy 0.6 ms; read {step.gpu_busy_ms}"
+    assert sum(step.breakdown.values()) == pytest.approx(step.ms), (
+        f"the breakdown {step.breakdown} does not add up to the step's {step.ms} ms")
     assert step.breakdown == pytest.approx({
         "weight read": 0.3, "matmul above the weight read": 0.2, "attention": 0.1,
         "element-wise and other kernels": 0.0,
@@ -200,10 +211,14 @@ def test_overlapping_kernels_count_once_and_the_parts_add_up_to_the_step() -> No
         ev("kernel", "_silu_mul_kernel", 40, 60, correlation=9, tid=7),
     ]
     [step] = read_steps(events, weight_read_ms=0.01, on_gpu=True)
-    assert step.gpu_busy_ms == pytest.approx(0.1)
-    assert step.breakdown["weight read"] + step.breakdown["matmul above the weight read"] == pytest.approx(0.06)
-    assert step.breakdown["element-wise and other kernels"] == pytest.approx(0.04)
-    assert sum(step.breakdown.values()) == pytest.approx(step.ms)
+    assert step.gpu_busy_ms == pytest.approx(0.1), (
+        f"kernels 0-60 and 40-100 keep the GPU busy 0.1 ms, read {step.gpu_busy_ms}")
+    matmul = step.breakdown["weight read"] + step.breakdown["matmul above the weight read"]
+    assert matmul == pytest.approx(0.06), f"the matmul (first to start) gets 0.06 ms, got {matmul}: {step.breakdown}"
+    other = step.breakdown["element-wise and other kernels"]
+    assert other == pytest.approx(0.04), f"the element-wise kernel gets only 0.04 ms, got {other}: {step.breakdown}"
+    assert sum(step.breakdown.values()) == pytest.approx(step.ms), (
+        f"the breakdown {step.breakdown} does not add up to the step's {step.ms} ms")
 
 
 def test_step04_refuses_profile_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,7 +58,7 @@ def test_merging_splits_gives_the_lessons_worked_example() -> None:
         out = TorchBackend().merge_splits(acc[:, :, :splits], m[:, :, :splits], l[:, :, :splits])
         assert out.shape == (1, 1, 1), f"merged output of shape {tuple(out.shape)}, expected (1, 1, 1)"
         assert torch.isclose(out, full).all(), f"{splits} parts merged to {out.item():.4f}, expected {full.item():.4f}"
-        assert round(out.item(), 2) == 22.14
+        assert round(out.item(), 2) == 22.14, f"{splits} parts merged to {out.item():.4f}, the lesson's 22.14"
 
 
 @pytest.mark.parametrize("splits", [2, 3, 8])

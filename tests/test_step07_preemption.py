@@ -12,8 +12,8 @@ from common.request import RequestStatus
 from common.sampling import SamplingParams
 from step01_serial.engine import SerialEngine
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
-from tests.helpers import (PARITY_MAX_TOKENS, assert_matches_reference, assert_nothing_left, run_checked,
-                           step01_tokens)
+from tests.helpers import (PARITY_MAX_TOKENS, assert_matches_reference, assert_nothing_left, first_difference,
+                           run_checked, step01_tokens)
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
@@ -46,12 +46,16 @@ def test_admitted_but_never_prefilled_is_put_back() -> None:
     engine.step()  # A prefilled: 4 tokens cached in its one block, its 5th token needs a second block
     second = engine.add_request(b, SamplingParams(max_tokens=4))
     engine.step()  # B takes the last two blocks, then A needs one: B is un-admitted, A decodes
-    assert engine.unadmissions == 1 and engine.preemptions == 0
-    assert engine.requests[second].status is RequestStatus.WAITING and not engine.requests[second].output_token_ids
+    counts = (engine.unadmissions, engine.preemptions)
+    assert counts == (1, 0), f"B, never prefilled, is put back, not preempted: (unadmissions, preemptions) {counts}"
+    b_request = engine.requests[second]
+    assert b_request.status is RequestStatus.WAITING and not b_request.output_token_ids, (
+        f"B should wait again with no output; it is {b_request.status.name} with {b_request.output_token_ids}")
     requests = [engine.requests[first], engine.requests[second]]
     while engine.has_unfinished():
         engine.step()
-    assert [r.output_token_ids for r in requests] == expected
+    got = [r.output_token_ids for r in requests]
+    assert got == expected, f"not step 01's tokens: {first_difference(expected, got)}"
     assert_nothing_left(engine, requests)
 
 
@@ -72,18 +76,27 @@ def test_the_victim_is_the_least_important_and_among_equals_the_newest_admission
         chosen = engine.pick_victim(less_important_than=less_important_than)
         return None if chosen is None else names.get(chosen.request_id, chosen.request_id)
 
-    assert victim() == "c"
+    def state() -> str:
+        return ", ".join(f"{names[r.request_id]} (priority {r.priority}, admitted_at {r.admitted_at})"
+                         for r in engine.running)
+
+    assert victim() == "c", f"running {state()}: the victim is c (least important, newest), got {victim()}"
     newcomer = engine.requests[engine.add_request([5] * 4, SamplingParams(max_tokens=4), priority=2)]
-    assert victim(less_important_than=newcomer) is None  # equal priority: it waits
+    got = victim(less_important_than=newcomer)
+    assert got is None, f"running {state()}: a newcomer of priority 2 may take from none (equal priority), got {got}"
     newcomer.priority = 1
-    assert victim(less_important_than=newcomer) == "c"
+    got = victim(less_important_than=newcomer)
+    assert got == "c", f"running {state()}: a newcomer of priority 1 takes from c, got {got}"
     engine.running.remove(b)
     engine.mark_running(b)  # admitted again: now the newest admission, though it arrived before c
     engine.running.reverse()  # the list's order says nothing; `admitted_at` does
-    assert victim() == "b" and victim(less_important_than=newcomer) == "b"
+    got = (victim(), victim(less_important_than=newcomer))
+    assert got == ("b", "b"), f"running {state()}: b, admitted again, is the newest: expected (b, b), got {got}"
     newcomer.priority, a.priority = -1, 3  # now a is the least important, b and c more
-    assert victim() == "a" and victim(less_important_than=newcomer) == "a"
-    assert engine.running == [b, c, a]  # choosing changed nothing
+    got = (victim(), victim(less_important_than=newcomer))
+    assert got == ("a", "a"), f"running {state()}: a is now the least important: expected (a, a), got {got}"
+    order = [names[r.request_id] for r in engine.running]
+    assert order == ["b", "c", "a"], f"choosing a victim changed the running list to {order}"
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
@@ -108,37 +121,46 @@ def test_preempt_frees_the_blocks_and_keeps_what_was_computed(preempt: str) -> N
                 "swapped": [names[r.request_id] for r in engine.swapped]}
 
     engine._not_prefilled = set()  # as `schedule` does, around the admissions
-    assert engine.admit_waiting(None) == [c] and len(c.block_table) == 2
+    admitted = engine.admit_waiting(None)
+    assert admitted == [c] and len(c.block_table) == 2, (
+        f"c should be admitted with 2 blocks: admitted {admitted}, c's table {c.block_table}")
     free = engine.allocator.num_free
     engine.preempt(c)  # admitted, never prefilled: un-admitted
-    assert queues() == {"running": ["a", "b"], "waiting": ["c"], "swapped": []}
-    assert c.status is RequestStatus.WAITING
-    assert c.block_table == [] and c.host_kv is None
-    assert engine.allocator.num_free == free + 2
-    assert (engine.unadmissions, engine.preemptions) == (1, 0)
+    assert queues() == {"running": ["a", "b"], "waiting": ["c"], "swapped": []}, (
+        f"c, never prefilled, goes back to waiting: queues are {queues()}")
+    assert c.status is RequestStatus.WAITING, f"c is {c.status.name}, expected WAITING"
+    assert c.block_table == [] and c.host_kv is None, f"c keeps blocks {c.block_table} or a host copy"
+    assert engine.allocator.num_free == free + 2, f"{engine.allocator.num_free - free} of c's 2 blocks freed"
+    counts = (engine.unadmissions, engine.preemptions)
+    assert counts == (1, 0), f"c was put back, not preempted: (unadmissions, preemptions) {counts}, expected (1, 0)"
     engine._not_prefilled = set()
 
     table, tokens = list(b.block_table), list(b.output_token_ids)
     k_blocks, v_blocks = engine.cache.k[:, table].clone(), engine.cache.v[:, table].clone()
     engine.preempt(b)
-    assert b.block_table == []
-    assert engine.allocator.num_free == free + 2 + len(table) and not set(table) & engine.allocator.owned
-    assert (engine.unadmissions, engine.preemptions) == (1, 1)
-    assert b.output_token_ids == tokens
+    assert b.block_table == [], f"b keeps blocks {b.block_table} after its preemption"
+    freed = engine.allocator.num_free - free - 2
+    assert freed == len(table) and not set(table) & engine.allocator.owned, (
+        f"b's {len(table)} blocks {table} should all be free again; {freed} were freed")
+    counts = (engine.unadmissions, engine.preemptions)
+    assert counts == (1, 1), f"(unadmissions, preemptions) {counts}, expected (1, 1)"
+    assert b.output_token_ids == tokens, f"b's tokens changed: {first_difference(tokens, b.output_token_ids)}"
     if preempt == "swap":
-        assert queues() == {"running": ["a"], "waiting": ["c"], "swapped": ["b"]}
-        assert b.status is RequestStatus.SWAPPED
-        assert b.host_kv is not None and b.host_kv.k.device.type == "cpu"
-        assert torch.equal(b.host_kv.k, k_blocks) and torch.equal(b.host_kv.v, v_blocks)  # [layers, blocks, ...]
+        assert queues() == {"running": ["a"], "waiting": ["c"], "swapped": ["b"]}, f"queues: {queues()}"
+        assert b.status is RequestStatus.SWAPPED, f"b is {b.status.name}, expected SWAPPED"
+        assert b.host_kv is not None and b.host_kv.k.device.type == "cpu", "b's K/V was not copied to the host"
+        assert torch.equal(b.host_kv.k, k_blocks) and torch.equal(b.host_kv.v, v_blocks), (  # [layers, blocks, ...]
+            "b's host copy is not its blocks' K/V, every layer, in its table's order")
     else:
-        assert queues() == {"running": ["a"], "waiting": ["c", "b"], "swapped": []}
-        assert b.status is RequestStatus.WAITING
-        assert b.host_kv is None
+        assert queues() == {"running": ["a"], "waiting": ["c", "b"], "swapped": []}, f"queues: {queues()}"
+        assert b.status is RequestStatus.WAITING, f"b is {b.status.name}, expected WAITING"
+        assert b.host_kv is None, "recompute keeps no host copy"
     for _ in range(100):
         if not engine.has_unfinished():
             break
         engine.step()
-    assert [r.output_token_ids for r in (a, b, c)] == step01_tokens(tiny, prompts, params)
+    expected, got = step01_tokens(tiny, prompts, params), [r.output_token_ids for r in (a, b, c)]
+    assert got == expected, f"not step 01's tokens: {first_difference(expected, got)}"
     assert_nothing_left(engine, [a, b, c])
 
 
@@ -160,18 +182,23 @@ def test_important_request_runs_at_once_and_finishes_first(preempt: str) -> None
     low_requests = [engine.requests[i] for i in low_ids]
     for _ in range(3):
         engine.step()
-    assert engine.allocator.num_free < per_request and not any(r.finished for r in low_requests)
+    assert engine.allocator.num_free < per_request and not any(r.finished for r in low_requests), (
+        f"the pool should be too full for the important request: {engine.allocator.num_free} blocks free")
     vip_id = engine.add_request(vip, vip_params, priority=0)
     vip_request = engine.requests[vip_id]
     engine.step()
-    assert vip_request.status is RequestStatus.RUNNING and len(vip_request.output_token_ids) == 1
+    assert vip_request.status is RequestStatus.RUNNING and len(vip_request.output_token_ids) == 1, (
+        f"the important request should run at once: it is {vip_request.status.name} with "
+        f"{len(vip_request.output_token_ids)} tokens after one step")
     finished_order = []
     while engine.has_unfinished():
         finished_order += [o.request_id for o in engine.step() if o.finished]
-    assert finished_order[0] == vip_id
-    assert vip_request.output_token_ids == expected_vip
-    assert [r.output_token_ids for r in low_requests] == expected_low
-    assert engine.preemptions >= 1
+    assert finished_order[0] == vip_id, f"the important request finished at place {finished_order.index(vip_id)}"
+    assert vip_request.output_token_ids == expected_vip, (
+        f"the important request: {first_difference(expected_vip, vip_request.output_token_ids)}")
+    got_low = [r.output_token_ids for r in low_requests]
+    assert got_low == expected_low, f"the preempted requests: {first_difference(expected_low, got_low)}"
+    assert engine.preemptions >= 1, "nothing was preempted: the test checked no preemption"
     assert_nothing_left(engine, [*low_requests, vip_request])
 
 

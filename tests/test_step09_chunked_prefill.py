@@ -13,7 +13,7 @@ from common.request import RequestStatus
 from common.sampling import SamplingParams
 from step09_chunked_prefill.engine import ChunkedPrefillEngine, ChunkedPrefillEngineConfig
 from tests.helpers import (LONG_PROMPT, PARITY_MAX_TOKENS, CheckedRun, assert_matches_reference, assert_nothing_left,
-                           hf_tokens, in_vocab, needs_triton, tiny_with_small_vocab)
+                           first_difference, hf_tokens, in_vocab, needs_triton, tiny_with_small_vocab)
 
 MAX_TOKENS = 10
 
@@ -31,12 +31,12 @@ def test_any_budget_gives_hfs_tokens(tiny_case, budget: int, block_size: int) ->
     """Chunks of 3 tokens in blocks of 4 end inside a block and cross block boundaries: positions and slots
     must carry over from one chunk to the next."""
     tiny, prompts, expected = tiny_case
-    assert all(len(p) > budget for p in prompts[:1])
+    assert len(prompts[0]) > budget, f"the first prompt ({len(prompts[0])} tokens) must need more than one chunk"
     engine = ChunkedPrefillEngine(tiny, ChunkedPrefillEngineConfig(
         device="cpu", attn="torch", block_size=block_size, max_num_batched_tokens=budget))
-    run = CheckedRun(engine)
-    assert run.run(prompts, SamplingParams(max_tokens=MAX_TOKENS)) == expected
-    assert engine.prefill_chunks > 0
+    got = CheckedRun(engine).run(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert got == expected, f"budget {budget}: not HF's tokens: {first_difference(expected, got)}"
+    assert engine.prefill_chunks > 0, "no prompt was prefilled in chunks"
     if budget > 1:
         assert engine.mixed_steps > 0, "no step mixed decoders with prefill chunks"
 
@@ -52,13 +52,14 @@ def test_preemption_under_a_tiny_kv_budget(tiny: LoadedModel, preempt: str, budg
     engine = ChunkedPrefillEngine(tiny, ChunkedPrefillEngineConfig(
         device="cpu", attn="torch", block_size=4, num_blocks=longest_blocks + 2, preempt=preempt,
         max_num_batched_tokens=budget))
-    assert CheckedRun(engine).run(prompts, SamplingParams(max_tokens=40), arrive_every=1) == expected
+    got = CheckedRun(engine).run(prompts, SamplingParams(max_tokens=40), arrive_every=1)
+    assert got == expected, f"budget {budget}, {preempt}: not HF's tokens: {first_difference(expected, got)}"
     if budget > 1:
-        assert engine.preemptions >= 1
+        assert engine.preemptions >= 1, "the pool is too small for two requests, yet none was preempted"
     else:
         # One decoder fills a budget of one token: no prompt is prefilled beside it, requests run one at a
         # time, and none ever needs another's blocks.
-        assert engine.preemptions == 0
+        assert engine.preemptions == 0, f"{engine.preemptions} preemptions where requests run one at a time"
 
 
 def long_prompt_behind_a_decoder(preempt: str, num_blocks: int, budget: int = 8):
@@ -84,11 +85,15 @@ def test_first_token_only_after_the_last_chunk_and_the_decoder_never_waits() -> 
         engine.step()
         computed.append(b.num_computed)
         assert len(a.output_token_ids) == a_tokens + 1, "the decoder waited for the prefill"
-    assert computed == [7, 14, 21, 28, 35, 40]  # chunks of budget 8 - 1 decoder, the last one short
-    assert all(n < len(b_prompt) for n in computed[:-1])  # no token while the prompt was incomplete
+    assert computed == [7, 14, 21, 28, 35, 40], (  # chunks of budget 8 - 1 decoder, the last one short
+        f"B's prompt computed after each step: {computed}; a budget of 8 with one decoder leaves chunks of 7: "
+        "[7, 14, 21, 28, 35, 40]")
+    # No token while the prompt was incomplete: the loop above stopped at B's first token.
+    assert all(n < len(b_prompt) for n in computed[:-1]), f"B sampled before its last chunk: {computed}"
     while engine.has_unfinished():
         engine.step()
-    assert b.output_token_ids == hf_tokens(tiny, [b_prompt], 6)[0]
+    expected = hf_tokens(tiny, [b_prompt], 6)[0]
+    assert b.output_token_ids == expected, f"B: not HF's tokens: {first_difference(expected, b.output_token_ids)}"
     assert_nothing_left(engine, [a, b])
 
 
@@ -136,11 +141,15 @@ def test_priority_goes_first_within_the_budget() -> None:
     low = engine.add_request(list(range(300, 340)), SamplingParams(max_tokens=4), priority=5)
     high = engine.add_request(list(range(400, 440)), SamplingParams(max_tokens=4), priority=0)
     engine.step()
-    assert (engine.requests[high].num_computed, engine.requests[low].num_computed) == (16, 0)
+    def computed() -> tuple[int, int]:
+        return engine.requests[high].num_computed, engine.requests[low].num_computed
+
+    assert computed() == (16, 0), f"(high, low) computed after one step of 16: {computed()}, expected (16, 0)"
     engine.step()
     engine.step()  # 32 + 8 of the high one, then 8 of the low one
-    assert (engine.requests[high].num_computed, engine.requests[low].num_computed) == (40, 8)
-    assert len(engine.requests[high].output_token_ids) == 1
+    assert computed() == (40, 8), f"(high, low) computed after three steps: {computed()}, expected (40, 8)"
+    sampled = len(engine.requests[high].output_token_ids)
+    assert sampled == 1, f"the high one, its 40 tokens computed, sampled {sampled} tokens, expected 1"
 
 
 def test_a_more_important_arrival_goes_before_a_prompt_mid_prefill() -> None:
@@ -150,7 +159,7 @@ def test_a_more_important_arrival_goes_before_a_prompt_mid_prefill() -> None:
                                                                                         max_num_batched_tokens=8))
     low = engine.requests[engine.add_request(list(range(300, 340)), SamplingParams(max_tokens=4), priority=5)]
     engine.step()
-    assert low.num_computed == 8
+    assert low.num_computed == 8, f"alone, the low one computes a whole budget of 8: {low.num_computed}"
     high = engine.requests[engine.add_request(list(range(400, 440)), SamplingParams(max_tokens=4), priority=0)]
     engine.step()
     assert (high.num_computed, low.num_computed) == (8, 8), "the more important arrival takes this step's budget"

@@ -12,7 +12,7 @@ from common.sampling import SamplingParams
 from step02_paged_kv.block_allocator import OutOfBlocksError
 from step10_prefix_caching.block_pool import PrefixCachingAllocator, chain_keys
 from step10_prefix_caching.engine import PrefixCachingEngine, PrefixCachingEngineConfig
-from tests.helpers import assert_blocks_held_once_per_holder
+from tests.helpers import assert_blocks_held_once_per_holder, first_difference
 
 
 def test_keys_chain_over_the_prefix() -> None:
@@ -42,14 +42,24 @@ def test_blocks_are_counted_cached_then_evicted_least_recently_used_first() -> N
     x, y = pool.allocate(2)
     pool.register(x, b"x")
     pool.register(y, b"y")
-    assert pool.claim([b"x", b"y", b"z"]) == [x, y] and pool.ref_counts[x] == 2
+    claimed = pool.claim([b"x", b"y", b"z"])
+    assert claimed == [x, y] and pool.ref_counts[x] == 2, (
+        f"claiming keys x, y, z gives blocks {claimed} (expected [{x}, {y}]), x held by {pool.ref_counts[x]}")
+
+    def counts() -> dict[str, int]:
+        return {"cached": pool.num_cached, "free": pool.num_free, "used": pool.num_used}
+
     pool.free([x, y])
     pool.free([y])  # y: nobody holds it now, so it is cached
-    assert pool.num_cached == 1 and pool.num_free == 3 and pool.num_used == 1
+    assert counts() == {"cached": 1, "free": 3, "used": 1}, f"y cached, x still held: {counts()}"
     pool.free([x])  # x: cached after y, so y is the least recently used
-    assert pool.num_free == 4 and pool.num_used == 0
+    assert counts() == {"cached": 2, "free": 4, "used": 0}, f"x and y cached, none held: {counts()}"
     fresh = pool.allocate(3)  # two free blocks, then y evicted
-    assert y in fresh and x not in fresh and pool.claim([b"y"]) == [] and pool.claim([b"x"]) == [x]
+    assert y in fresh and x not in fresh, (
+        f"allocate(3) with 2 free blocks, then cached y (freed first) and x: expected y ({y}) evicted and x ({x}) "
+        f"kept, got blocks {fresh}")
+    claims = (pool.claim([b"y"]), pool.claim([b"x"]))
+    assert claims == ([], [x]), f"after y's eviction, key y finds nothing and x finds block {x}: got {claims}"
     with pytest.raises(OutOfBlocksError):
         pool.allocate(1)
     with pytest.raises(ValueError, match="freed twice"):
@@ -59,9 +69,12 @@ def test_blocks_are_counted_cached_then_evicted_least_recently_used_first() -> N
 def assert_idle(engine: PrefixCachingEngine) -> None:
     """Once every request is done, each block is free or cached, with no reference left."""
     pool = engine.allocator
-    assert not engine.requests and not engine.running and not engine.waiting and not engine.swapped
-    assert pool.num_used == 0 and not pool.ref_counts
-    assert pool.num_free == pool.num_blocks and set(pool.cached) == set(pool.key_of_block)
+    held = {"requests": len(engine.requests), "running": len(engine.running), "waiting": len(engine.waiting),
+            "swapped": len(engine.swapped)}
+    assert set(held.values()) == {0}, f"the engine still holds requests: {held}"
+    assert pool.num_used == 0 and not pool.ref_counts, f"blocks still held: {pool.ref_counts}"
+    assert pool.num_free == pool.num_blocks, f"{pool.num_free} of {pool.num_blocks} blocks free or cached"
+    assert set(pool.cached) == set(pool.key_of_block), "a cached block has no key, or a keyed block is not cached"
 
 
 def run(engine: PrefixCachingEngine, waves: list[list[list[int]]], max_tokens: int) -> list[list[int]]:
@@ -107,12 +120,16 @@ def test_caching_on_and_off_give_hfs_tokens(tiny: LoadedModel, preempt: str, tig
         results[caching] = run(engine, waves, 12)
         assert_idle(engine)
         if caching:
-            assert engine.hit_tokens > 0
+            assert engine.hit_tokens > 0, "no prompt token was found in the cache"
             if tight:
-                assert engine.preemptions > 0 and engine.allocator.evictions > 0
+                assert engine.preemptions > 0 and engine.allocator.evictions > 0, (
+                    f"{engine.preemptions} preemptions, {engine.allocator.evictions} evictions: the tight pool "
+                    "should force both")
         else:
-            assert engine.hit_tokens == 0 and engine.allocator.num_cached == 0
-    assert results[True] == results[False] == expected
+            assert engine.hit_tokens == 0 and engine.allocator.num_cached == 0, "caching off, yet blocks were cached"
+    for caching in (True, False):
+        assert results[caching] == expected, (
+            f"caching {'on' if caching else 'off'}: not HF's tokens: {first_difference(expected, results[caching])}")
 
 
 def test_the_last_token_is_always_computed() -> None:
@@ -123,11 +140,20 @@ def test_the_last_token_is_always_computed() -> None:
     first = run(engine, [[prompt]], 5)
     rid = engine.add_request(prompt, SamplingParams(max_tokens=5))
     engine.step()
-    assert engine.hit_tokens == 4 and engine.queried_tokens == 16
+    hits = (engine.hit_tokens, engine.queried_tokens)
+    assert hits == (4, 16), f"(hit, queried) tokens {hits}: of the 8-token prompt cached whole, only the first " \
+        "block may be claimed (the last token must be computed), expected (4, 16)"
     while engine.has_unfinished():
         engine.step()
-    assert engine.allocator.num_used == 0 and first == [reference_greedy(hf_model_for(tiny), prompt, 5, tiny.tokenizer.eos_token_ids)]
+    assert engine.allocator.num_used == 0, f"{engine.allocator.num_used} blocks still held at the end"
+    expected = [reference_greedy(hf_model_for(tiny), prompt, 5, tiny.tokenizer.eos_token_ids)]
+    assert first == expected, f"not HF's tokens: {first_difference(expected, first)}"
     del rid
+
+
+def short(keys: list[bytes]) -> list[str]:
+    """Block keys as a message shows them: the first hex digits of each."""
+    return [key.hex()[:8] for key in keys]
 
 
 def test_every_block_a_forward_fills_is_keyed_on_its_whole_prefix() -> None:
@@ -142,12 +168,21 @@ def test_every_block_a_forward_fills_is_keyed_on_its_whole_prefix() -> None:
         engine.step()
         full = request.num_computed // 4
         seen.append((request.num_computed, len(request.block_keys)))
-        assert request.block_keys == list(chain_keys(request.all_token_ids, 4, full))
+        chained = list(chain_keys(request.all_token_ids, 4, full))
+        assert request.block_keys == chained, (
+            f"{request.num_computed} tokens computed, {full} full blocks, each keyed on the key before it (from "
+            f"ROOT_KEY): expected keys {short(chained)}, got {short(request.block_keys)}")
         if not request.finished:  # a finished request has given its blocks back
-            assert [engine.allocator.key_of_block[b] for b in request.block_table[:full]] == request.block_keys
+            registered = [engine.allocator.key_of_block.get(b) for b in request.block_table[:full]]
+            assert registered == request.block_keys, (
+                f"the pool's keys of blocks {request.block_table[:full]} are not the request's keys: a full block "
+                "must be registered under its key")
     # 14 prompt tokens in chunks of 3, then one token a step; the last of the 20 tokens is never computed.
-    assert seen == [(3, 0), (6, 1), (9, 2), (12, 3), (14, 3), (15, 3), (16, 4), (17, 4), (18, 4), (19, 4)]
-    assert engine.allocator.num_cached == 4 and all(k in engine.allocator.block_of_key for k in request.block_keys)
+    expected = [(3, 0), (6, 1), (9, 2), (12, 3), (14, 3), (15, 3), (16, 4), (17, 4), (18, 4), (19, 4)]
+    assert seen == expected, f"(tokens computed, keys) after each step: {seen}, expected {expected}"
+    assert engine.allocator.num_cached == 4, f"{engine.allocator.num_cached} blocks cached at the end, expected 4"
+    lost = [i for i, k in enumerate(request.block_keys) if k not in engine.allocator.block_of_key]
+    assert not lost, f"the keys of blocks {lost} are not in the pool: a later prompt cannot claim them"
 
 
 def test_aborting_one_of_two_sharers_leaves_the_other_whole() -> None:
@@ -159,15 +194,19 @@ def test_aborting_one_of_two_sharers_leaves_the_other_whole() -> None:
     b = engine.requests[engine.add_request(prompt + [9], SamplingParams(max_tokens=8))]
     engine.step()
     shared = set(a.block_table) & set(b.block_table)
-    assert len(shared) == 5 and all(engine.allocator.ref_counts[x] == 2 for x in shared)
+    refs = {x: engine.allocator.ref_counts[x] for x in sorted(shared)}
+    assert len(shared) == 5 and set(refs.values()) == {2}, (
+        f"the 5 full blocks of the shared 23-token prefix should be held by both: blocks and holders {refs}")
     engine.abort(b.request_id)
-    assert all(engine.allocator.ref_counts[x] == 1 for x in shared)
+    refs = {x: engine.allocator.ref_counts[x] for x in sorted(shared)}
+    assert set(refs.values()) == {1}, f"after b's abort, a alone should hold the shared blocks: {refs}"
     while engine.has_unfinished():
         engine.step()
     hf = hf_model_for(tiny)
-    assert a.output_token_ids == reference_greedy(hf, prompt + [7], 8, tiny.tokenizer.eos_token_ids)
+    expected = reference_greedy(hf, prompt + [7], 8, tiny.tokenizer.eos_token_ids)
+    assert a.output_token_ids == expected, f"a: not HF's tokens: {first_difference(expected, a.output_token_ids)}"
     assert_idle(engine)
-    assert b.status is RequestStatus.FINISHED
+    assert b.status is RequestStatus.FINISHED, f"the aborted b is {b.status.name}, expected FINISHED"
 
 
 def test_the_hit_counters_reach_the_servers_metrics() -> None:
@@ -178,5 +217,8 @@ def test_the_hit_counters_reach_the_servers_metrics() -> None:
     prompt = list(range(600, 620))
     run(engine, [[prompt], [prompt]], 2)
     text = ServingMetrics(engine, lambda: 0).render().decode()
-    assert "llm_prefix_cache_queries_total 40.0" in text and "llm_prefix_cache_hits_total 16.0" in text
-    assert "# TYPE llm_prefix_cache_hits_total counter" in text and "llm_kv_blocks_cached" in text
+    lines = [line for line in text.splitlines() if "prefix_cache" in line or "blocks_cached" in line]
+    assert "llm_prefix_cache_queries_total 40.0" in text and "llm_prefix_cache_hits_total 16.0" in text, (
+        f"two 20-token prompts, the second hitting 4 blocks: expected 40 queried, 16 hit tokens; metrics: {lines}")
+    assert "# TYPE llm_prefix_cache_hits_total counter" in text and "llm_kv_blocks_cached" in text, (
+        f"the metrics lack the hit counter's type or the cached-blocks gauge: {lines}")

@@ -16,8 +16,8 @@ from step11_speculative_decoding.engine import SpeculativeEngine, SpeculativeEng
 from step11_speculative_decoding.bench.oracle import OracleProposer
 from step11_speculative_decoding.proposers import NgramProposer
 from step11_speculative_decoding.verify import rejection_sample, target_probabilities
-from tests.helpers import (PARITY_MAX_TOKENS, CheckedRun, assert_matches_reference, assert_nothing_left, run_checked,
-                           step01_tokens, tight_pool_case)
+from tests.helpers import (PARITY_MAX_TOKENS, CheckedRun, assert_matches_reference, assert_nothing_left,
+                           first_difference, run_checked, step01_tokens, tight_pool_case)
 
 
 @pytest.mark.parametrize("tokens, k, expected", [
@@ -62,7 +62,9 @@ def test_ngram_sizes_are_checked() -> None:
     ([], [4], [4]),
 ])
 def test_greedy_acceptance(proposals: list[int], target: list[int], emitted: list[int]) -> None:
-    assert verify.accept_greedy(proposals, target) == emitted
+    got = verify.accept_greedy(proposals, target)
+    assert got == emitted, (f"proposals {proposals}, target's tokens {target}: the row emits {emitted} (proposals "
+                            f"kept while they equal the target's, then the target's token), got {got}")
 
 
 def test_no_proposal_draws_exactly_what_plain_sampling_draws() -> None:
@@ -167,8 +169,10 @@ def test_partly_wrong_proposals_are_rolled_back(k: int) -> None:
     expected = step01_tokens(tiny, prompts, params)
     engine = speculative(tiny, k, block_size=4)
     engine.proposer = oracle(k, prompts, expected, 0.6, tiny)
-    assert CheckedRun(engine).run(prompts, params) == expected
-    assert 0 < engine.accepted_tokens < engine.proposed_tokens  # some kept, some rolled back
+    got = CheckedRun(engine).run(prompts, params)
+    assert got == expected, f"not step 01's tokens: {first_difference(expected, got)}"
+    assert 0 < engine.accepted_tokens < engine.proposed_tokens, (  # some kept, some rolled back
+        f"{engine.accepted_tokens} of {engine.proposed_tokens} proposals accepted: some right, some wrong, expected")
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
@@ -284,7 +288,9 @@ def decoders_with(engine: SpeculativeEngine, acceptances: list[float], unchecked
 ])
 def test_the_rule_checks_proposals_that_pay(acceptances: list[float], cost: float, expected: list[int]) -> None:
     engine = rule_engine(cost)
-    assert engine.proposal_counts(decoders_with(engine, acceptances), [8] * len(acceptances), len(acceptances)) == expected
+    got = engine.proposal_counts(decoders_with(engine, acceptances), [8] * len(acceptances), len(acceptances))
+    assert got == expected, (f"acceptances {acceptances[:4]}{'...' if len(acceptances) > 4 else ''}, {cost} a "
+                             f"token: expected {expected[:4]} proposals (those that pay), got {got[:4]}")
 
 
 @pytest.mark.parametrize("acceptance, expected", [(0.9, [4]), (0.5, [0])])
@@ -292,16 +298,19 @@ def test_a_step_that_verifies_must_pay_for_leaving_the_decode_path(acceptance: f
     """A step that verifies costs twice a decode step (step cost 1, token cost 0.01, k = 4). 0.9: 1 + 0.9 + 0.81 +
     0.73 + 0.66 = 4.1 tokens for 2.05; 0.5: 1.94 tokens for 2.05, less than the plain step's 1 for 1.01."""
     engine = rule_engine(0.01, step_cost=1.0)
-    assert engine.proposal_counts(decoders_with(engine, [acceptance]), [4], 1) == expected
+    got = engine.proposal_counts(decoders_with(engine, [acceptance]), [4], 1)
+    assert got == expected, f"acceptance {acceptance}, a verifying step costing 2: expected {expected}, got {got}"
 
 
 def test_the_rule_stops_at_the_budget_and_probes_the_left_out() -> None:
     engine = rule_engine(0.0, budget=5)
     # Three tokens left: 0.9, 0.9, then 0.81, the most likely proposals first, whoever's they are.
-    assert engine.proposal_counts(decoders_with(engine, [0.9, 0.9]), [8, 8], 2) == [2, 1]
+    got = engine.proposal_counts(decoders_with(engine, [0.9, 0.9]), [8, 8], 2)
+    assert got == [2, 1], f"a budget of 5 with 2 decoders leaves 3 proposals: expected [2, 1], got {got}"
     probing = rule_engine(0.005)
     left_out = decoders_with(probing, [0.0, 0.0], unchecked=probing.probe_interval(2, 2))
-    assert probing.proposal_counts(left_out, [8, 0], 2) == [1, 0]  # one proposal, where there is one
+    got = probing.proposal_counts(left_out, [8, 0], 2)
+    assert got == [1, 0], f"decoders left out long enough probe one proposal where they may: expected [1, 0], got {got}"
 
 
 def test_a_request_whose_proposals_fail_stops_speculating_but_still_probes() -> None:
@@ -312,10 +321,14 @@ def test_a_request_whose_proposals_fail_stops_speculating_but_still_probes() -> 
     expected = step01_tokens(tiny, prompts, params)
     engine = speculative(tiny, 4, block_size=4, speculative_token_cost=0.1)
     engine.proposer = oracle(4, prompts, expected, 0.0, tiny)
-    assert CheckedRun(engine).run(prompts, params) == expected
-    assert engine.accepted_tokens == 0
+    got = CheckedRun(engine).run(prompts, params)
+    assert got == expected, f"not step 01's tokens: {first_difference(expected, got)}"
+    assert engine.accepted_tokens == 0, f"an always-wrong oracle had {engine.accepted_tokens} proposals accepted"
     # At 0.1 a token, a proposal pays while a > 0.09: 0.5 x 0.8^n falls below after 8 rejections; then a probe
     # every probe_interval + 1 steps (10 + 1 here: a step with one probe costs 1.2 against 1.1, 9% more, and
     # probes take at most 1% of the time).
-    assert engine.probe_interval(1, 1) == 10
-    assert 8 <= engine.verify_rows <= 8 + 60 // engine.probe_interval(1, 1)
+    interval = engine.probe_interval(1, 1)
+    assert interval == 10, f"probe interval {interval}, expected 10"
+    assert 8 <= engine.verify_rows <= 8 + 60 // interval, (
+        f"{engine.verify_rows} verification rows in 60 steps: expected 8 before it stops, then a probe every "
+        f"{interval + 1} steps at most")

@@ -20,8 +20,8 @@ from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import TorchBackend
 from step12_cuda_graph.decode_graphs import SHORT_CONTEXT, DecodeBatch, DecodeGraphs, StaticDecodeInputs, graph_buckets
 from step12_cuda_graph.engine import CudaGraphEngine, CudaGraphEngineConfig
-from tests.helpers import (PARITY_MAX_TOKENS, check_graphs_match_step06_on_cuda, run_checked, seeded_sampling_case,
-                           step01_tokens, tight_pool_case)
+from tests.helpers import (PARITY_MAX_TOKENS, check_graphs_match_step06_on_cuda, first_difference, run_checked,
+                           seeded_sampling_case, step01_tokens, tight_pool_case)
 
 
 def test_buckets_cover_every_batch_size() -> None:
@@ -35,21 +35,26 @@ def test_padded_rows_point_at_the_dummy_block() -> None:
     inputs = StaticDecodeInputs(max_batch=8, width=5, block_size=4, dummy_block=30, device=torch.device("cpu"))
     inputs.fill(DecodeBatch([7, 9, 11], [6, 1, 9], [[3, 4], [8], [12, 2, 5]], [SamplingParams()] * 3, [1, 1, 1]),
                 bucket=4)
-    assert inputs.input_ids[:4].tolist() == [7, 9, 11, 0]
-    assert inputs.positions[:4].tolist() == [5, 0, 8, 0]
-    assert inputs.seq_lens[:4].tolist() == [6, 1, 9, 1]
     # position 5 is slot 1 of logical block 1 (physical 4); position 8 is slot 0 of physical block 5
-    assert inputs.slot_mapping[:4].tolist() == [4 * 4 + 1, 8 * 4, 5 * 4, 30 * 4]
-    assert inputs.block_table[:4, :3].tolist() == [[3, 4, 30], [8, 30, 30], [12, 2, 5], [30, 30, 30]]
+    expected = {"input_ids": [7, 9, 11, 0], "positions": [5, 0, 8, 0], "seq_lens": [6, 1, 9, 1],
+                "slot_mapping": [4 * 4 + 1, 8 * 4, 5 * 4, 30 * 4],
+                "block_table": [[3, 4, 30], [8, 30, 30], [12, 2, 5], [30, 30, 30]]}
+    got = {name: (getattr(inputs, name)[:4, :3] if name == "block_table" else getattr(inputs, name)[:4]).tolist()
+           for name in expected}
+    wrong = {name: f"expected {want}, got {got[name]}" for name, want in expected.items() if got[name] != want}
+    assert not wrong, f"3 requests in a bucket of 4, dummy block 30 (its first slot 120): {wrong}"
 
 
 def test_an_empty_batch_is_all_padding() -> None:
     """What the capture fills before recording a bucket: no request, every row on the dummy block."""
     inputs = StaticDecodeInputs(max_batch=4, width=3, block_size=4, dummy_block=9, device=torch.device("cpu"))
     inputs.fill(DecodeBatch([], [], [], [], []), bucket=4)
-    assert inputs.input_ids.tolist() == [0] * 4 and inputs.positions.tolist() == [0] * 4
-    assert inputs.seq_lens.tolist() == [1] * 4 and inputs.slot_mapping.tolist() == [9 * 4] * 4
-    assert inputs.block_table[:, 0].tolist() == [9] * 4
+    expected = {"input_ids": [0] * 4, "positions": [0] * 4, "seq_lens": [1] * 4, "slot_mapping": [9 * 4] * 4,
+                "block_table": [9] * 4}
+    got = {name: (getattr(inputs, name)[:, 0] if name == "block_table" else getattr(inputs, name)).tolist()
+           for name in expected}
+    wrong = {name: f"expected {want}, got {got[name]}" for name, want in expected.items() if got[name] != want}
+    assert not wrong, f"an empty batch in a bucket of 4, dummy block 9 (its first slot 36): {wrong}"
 
 
 class SplittingBackend(TorchBackend):
@@ -89,8 +94,10 @@ def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, blo
     expected = step01_tokens(tiny, prompts, params)
     engine = CudaGraphEngine(tiny, CudaGraphEngineConfig(device="cpu", block_size=block_size, num_blocks=128,
                                                          attn="torch", max_graph_batch=8))
-    assert [c.token_ids for c in staggered_generate(engine, prompts, params, arrive_every=1)] == expected
-    assert engine.allocator.num_used == 0 and not engine.requests
+    got = [c.token_ids for c in staggered_generate(engine, prompts, params, arrive_every=1)]
+    assert got == expected, f"not step 01's tokens: {first_difference(expected, got)}"
+    assert engine.allocator.num_used == 0 and not engine.requests, (
+        f"{len(engine.requests)} requests and {engine.allocator.num_used} blocks still held at the end")
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])

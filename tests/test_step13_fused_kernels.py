@@ -49,8 +49,11 @@ def test_add_rms_norm(dtype: torch.dtype) -> None:
     x = torch.randn(5, 96, device=DEVICE, dtype=dtype) * 3
     update = torch.randn_like(x)
     total, normed = fused_kernels.add_rms_norm(x, update, norm.weight, norm.eps)
-    assert torch.equal(total, x + update)  # one rounding of an exact float32 sum: the same as PyTorch's
-    torch.testing.assert_close(normed, norm(x + update), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    # One rounding of an exact float32 sum: the same as PyTorch's.
+    assert torch.equal(total, x + update), (
+        f"total is not x + update bit for bit: largest difference {(total - (x + update)).abs().max().item():.3g}")
+    torch.testing.assert_close(normed, norm(x + update), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype],
+                               msg=lambda m: f"normed is not RMSNorm(x + update):\n{m}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -143,7 +146,8 @@ def test_engine_with_fused_ops_on_cublas_matches_step01() -> None:
     outputs = staggered_generate(engine, prompts, params, arrive_every=1)
     reports = compare_engines(loaded, prompts, outputs, expected)
     assert all(r.ok for r in reports), [r.describe() for r in reports if not r.ok]
-    assert sum(r.equal for r in reports) >= len(prompts) - 1
+    differing = [i for i, r in enumerate(reports) if not r.equal]
+    assert len(differing) <= 1, f"requests {differing} differ from step 01 (at ties): at most one may"
 
 
 def test_fused_ops_need_the_graph_path() -> None:

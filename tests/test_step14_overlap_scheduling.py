@@ -15,11 +15,11 @@ from common.loading import LoadedModel
 from common.prompts import PARITY_PROMPTS
 from common.sampling import SamplingParams
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
-from step12_cuda_graph.decode_graphs import DecodeBatch
+from step12_cuda_graph.decode_graphs import DecodeBatch, PendingTokens
 from step14_overlap_scheduling.engine import (LaunchAheadBatch, LaunchAheadInputs, OverlapSchedulingEngine,
                                               OverlapSchedulingEngineConfig)
-from tests.helpers import (check_graphs_match_step06_on_cuda, in_vocab, run_checked, seeded_sampling_case,
-                           step01_tokens, tight_pool_case, tiny_with_small_vocab)
+from tests.helpers import (check_graphs_match_step06_on_cuda, first_difference, in_vocab, run_checked,
+                           seeded_sampling_case, step01_tokens, tight_pool_case, tiny_with_small_vocab)
 
 
 def engine_for(tiny: LoadedModel, **config: object) -> OverlapSchedulingEngine:
@@ -59,14 +59,16 @@ def test_matches_step01_with_requests_joining_and_leaving(tiny: LoadedModel, blo
     params = [SamplingParams(max_tokens=6 + 3 * i) for i in range(7)]
     expected = step01_tokens(tiny, prompts, params)
     engine = engine_for(tiny, block_size=block_size, num_blocks=128, max_graph_batch=8, overlap=overlap)
-    assert [c.token_ids for c in staggered_generate(engine, prompts, params, arrive_every=1)] == expected
-    assert engine.allocator.num_used == 0 and not engine.requests
+    got = [c.token_ids for c in staggered_generate(engine, prompts, params, arrive_every=1)]
+    assert got == expected, f"not step 01's tokens: {first_difference(expected, got)}"
+    assert engine.allocator.num_used == 0 and not engine.requests, (
+        f"{len(engine.requests)} requests and {engine.allocator.num_used} blocks still held at the end")
+    ahead, taken = engine.steps_launched_ahead, engine.steps_taken_from_ahead
     if overlap:  # arrivals join the step launched ahead (they were prefilled before it was launched), and
         # nothing here (no swap, no preemption) changes a batch in a way the guess cannot cover: all are used
-        assert engine.steps_launched_ahead >= 20
-        assert engine.steps_taken_from_ahead == engine.steps_launched_ahead
+        assert ahead >= 20 and taken == ahead, f"{ahead} steps launched ahead (20 at least), {taken} of them used: all"
     else:
-        assert engine.steps_launched_ahead == 0
+        assert ahead == 0, f"overlap off, yet {ahead} steps were launched ahead"
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
@@ -119,15 +121,49 @@ def test_abort_with_a_step_launched_ahead(tiny: LoadedModel) -> None:
     for _ in range(5):
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
-    assert engine.ahead is not None and aborted in engine.ahead.row_of
+    assert engine.ahead is not None and aborted in engine.ahead.row_of, "no step launched ahead holds the request"
     engine.abort(ids[1])
-    assert not aborted.block_table
+    assert not aborted.block_table, f"the aborted request still holds blocks {aborted.block_table}"
     while engine.has_unfinished():
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
-    assert engine.allocator.num_used == 0
-    assert [tokens[i] for i in (ids[0], ids[2], ids[3])] == [expected[0], expected[2], expected[3]]
-    assert engine.steps_taken_from_ahead >= 10  # the shrunken batch still took the step launched ahead
+    assert engine.allocator.num_used == 0, f"{engine.allocator.num_used} blocks still held at the end"
+    got, want = [tokens[i] for i in (ids[0], ids[2], ids[3])], [expected[0], expected[2], expected[3]]
+    assert got == want, f"the others: not step 01's tokens: {first_difference(want, got)}"
+    taken = engine.steps_taken_from_ahead
+    assert taken >= 10, f"the shrunken batch took the step launched ahead only {taken} times (10 at least)"
+
+
+def test_a_decode_step_is_launched_without_waiting_for_the_one_before(tiny: LoadedModel,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The point of launching ahead: `launch_decode` never waits for the step launched before it (on a GPU,
+    reading its tokens stalls the host until the device is done, and nothing overlaps). Waiting gives the same
+    tokens, so only a watch on `PendingTokens.wait` during the launch shows it."""
+    launch, wait = OverlapSchedulingEngine.launch_decode, PendingTokens.wait  # looked up now: an exercise swaps it
+    launching, waits_while_launching = [False], []
+
+    def watched_launch(self: OverlapSchedulingEngine, *args: object, **kwargs: object) -> object:
+        launching[0] = True
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            launching[0] = False
+
+    def watched_wait(self: PendingTokens) -> list[int]:
+        if launching[0]:
+            waits_while_launching.append(1)
+        return wait(self)
+
+    monkeypatch.setattr(OverlapSchedulingEngine, "launch_decode", watched_launch)
+    monkeypatch.setattr(PendingTokens, "wait", watched_wait)
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:3]]
+    engine = engine_for(tiny, block_size=4, num_blocks=128, overlap=True)
+    engine.generate(prompts, SamplingParams(max_tokens=8))
+    assert engine.steps_launched_ahead > 0, "no step was launched ahead: nothing was checked"
+    assert not waits_while_launching, (
+        f"launch_decode waited for a step's tokens {len(waits_while_launching)} times in "
+        f"{engine.steps_launched_ahead} steps launched ahead: a launched-ahead row must read its input token "
+        "on the device (previous_rows), not on the host")
 
 
 def test_overlap_stops_where_step07_stops(tiny: LoadedModel) -> None:
@@ -145,10 +181,15 @@ def test_overlap_stops_where_step07_stops(tiny: LoadedModel) -> None:
     expected = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
     engine = OverlapSchedulingEngine(tiny, OverlapSchedulingEngineConfig(**config, overlap=True))
     ours = engine.generate(prompts, params)
-    assert [(c.token_ids, c.text, c.finish_reason) for c in ours] == \
-        [(c.token_ids, c.text, c.finish_reason) for c in expected]
-    assert [c.finish_reason.value for c in expected] == ["stop", "stop", "length", "length"]
-    assert engine.steps_taken_from_ahead > 0 and engine.allocator.num_used == 0
+    got, want = [c.token_ids for c in ours], [c.token_ids for c in expected]
+    assert got == want, f"not step 07's tokens: {first_difference(want, got)}"
+    reasons = [(c.text, c.finish_reason.value) for c in ours]
+    assert reasons == [(c.text, c.finish_reason.value) for c in expected], (
+        f"(text, finish reason) {reasons}, step 07's {[(c.text, c.finish_reason.value) for c in expected]}")
+    assert [c.finish_reason.value for c in expected] == ["stop", "stop", "length", "length"], (
+        f"the case does not end as planned: {[c.finish_reason.value for c in expected]}")
+    assert engine.steps_taken_from_ahead > 0, "no step launched ahead was used"
+    assert engine.allocator.num_used == 0, f"{engine.allocator.num_used} blocks still held at the end"
 
 
 def test_seeded_sampling_is_step07s() -> None:
@@ -172,8 +213,9 @@ def test_rows_launched_ahead_draw_at_their_output_position() -> None:
     config = dict(device="cpu", block_size=4, num_blocks=96, attn="torch")
     expected = PreemptionEngine(tiny, PreemptionEngineConfig(**config)).generate(prompts, params)
     engine = OverlapSchedulingEngine(tiny, OverlapSchedulingEngineConfig(**config, overlap=True))
-    assert [c.token_ids for c in engine.generate(prompts, params)] == [c.token_ids for c in expected]
-    assert engine.steps_taken_from_ahead > 0
+    got, want = [c.token_ids for c in engine.generate(prompts, params)], [c.token_ids for c in expected]
+    assert got == want, f"not step 07's seeded tokens: {first_difference(want, got)}"
+    assert engine.steps_taken_from_ahead > 0, "no step launched ahead was used"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")

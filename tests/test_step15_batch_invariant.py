@@ -23,7 +23,7 @@ from step04_multi_gpu.tensor_parallel import TensorParallelEngine
 from step15_batch_invariant import attention, invariant_ops
 from step15_batch_invariant.engine import BatchInvariantEngine, BatchInvariantEngineConfig
 from step15_batch_invariant.invariant_ops import InvariantLinear, batch_invariant_twin
-from tests.helpers import step01_tokens
+from tests.helpers import first_difference, step01_tokens
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # A kernel test on CPU tensors runs in Triton's interpreter, which a GPU machine leaves off (probe.py and
@@ -76,9 +76,13 @@ def test_row_tiled_linear_gives_each_row_its_bits_alone(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     x, weight, bias = torch.randn(rows, 96, generator=gen), torch.randn(200, 96, generator=gen), torch.randn(200)
     batched = invariant_ops.row_tiled_linear(x, weight, bias)
-    assert torch.allclose(batched, F.linear(x, weight, bias), atol=1e-4)
+    error = (batched - F.linear(x, weight, bias)).abs().max().item()
+    assert error <= 1e-4, f"{rows} rows: not x @ weight.T + bias (largest difference {error:.3g})"
     for i in {0, rows // 2, rows - 1}:
-        assert torch.equal(batched[i], invariant_ops.row_tiled_linear(x[i:i + 1], weight, bias)[0])
+        alone = invariant_ops.row_tiled_linear(x[i:i + 1], weight, bias)[0]
+        differ = (batched[i] != alone).sum().item()
+        assert differ == 0, (f"row {i} of {rows}: {differ} of its {alone.numel()} outputs differ from the row "
+                             f"computed alone (largest by {(batched[i] - alone).abs().max().item():.3g})")
 
 
 def test_split_attention_is_causal_attention() -> None:
@@ -88,7 +92,8 @@ def test_split_attention_is_causal_attention() -> None:
     out = attention.split_attention(q, keys, values, torch.arange(40))
     reference = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                is_causal=True, enable_gqa=True).transpose(0, 1)
-    assert torch.allclose(out, reference, atol=1e-5)
+    error = (out - reference).abs().max().item()
+    assert error <= 1e-5, f"40 rows over 64 keys (2 pieces): not causal attention (largest difference {error:.3g})"
 
 
 def test_split_attention_gives_a_row_the_same_bits_beside_longer_rows_and_more_padding() -> None:
@@ -98,7 +103,10 @@ def test_split_attention_gives_a_row_the_same_bits_beside_longer_rows_and_more_p
     keys, values = torch.randn(2, 96, 2, 8, generator=gen), torch.randn(2, 96, 2, 8, generator=gen)
     alone = attention.split_attention(q[:1], keys[:1, :32], values[:1, :32], torch.tensor([19]))
     together = attention.split_attention(q, keys, values, torch.tensor([19, 89]))
-    assert torch.equal(alone[0], together[0])
+    differ = (alone[0] != together[0]).sum().item()
+    assert differ == 0, (f"row 0 (20 keys) alone in 32 keys of room and beside a row of 90: {differ} of its "
+                         f"{alone[0].numel()} outputs differ (largest by "
+                         f"{(alone[0] - together[0]).abs().max().item():.3g})")
 
 
 @INTERPRETER_ONLY
@@ -165,14 +173,19 @@ def test_a_request_is_the_same_alone_and_batched_under_any_budget(tiny: LoadedMo
     prompts = chat(tiny, 5)
     alone_tokens, alone_rows = generate_recording(engine_for(tiny), prompts[:1])
     tokens, rows = generate_recording(engine_for(tiny, max_num_batched_tokens=budget), prompts)
-    assert tokens[0] == alone_tokens[0]
-    assert rows_found(alone_rows, rows) == len(alone_rows) == GREEDY.max_tokens
+    assert tokens[0] == alone_tokens[0], (
+        f"budget {budget}, request 0 batched: {first_difference(alone_tokens[0], tokens[0])}")
+    found = rows_found(alone_rows, rows)
+    assert found == len(alone_rows) == GREEDY.max_tokens, (
+        f"of request 0's {len(alone_rows)} logits rows alone ({GREEDY.max_tokens} expected), {found} come out bit for "
+        "bit the same batched")
 
 
 def test_the_tokens_are_still_the_reference_tokens(tiny: LoadedModel) -> None:
     prompts = chat(tiny, 4)
     tokens, _ = generate_recording(engine_for(tiny, max_num_batched_tokens=16), prompts)
-    assert tokens == step01_tokens(tiny, prompts, GREEDY)
+    expected = step01_tokens(tiny, prompts, GREEDY)
+    assert tokens == expected, f"not step 01's tokens: {first_difference(expected, tokens)}"
 
 
 def test_a_prefix_cache_hit_gives_the_same_logits(tiny: LoadedModel) -> None:
@@ -184,8 +197,10 @@ def test_a_prefix_cache_hit_gives_the_same_logits(tiny: LoadedModel) -> None:
     generate_recording(engine, prompts)
     hits_before = engine.stats()["prefix_cache_hits_total"]
     tokens, rows = generate_recording(engine, [prompts[0], *chat(tiny, 3, start=4)])
-    assert engine.stats()["prefix_cache_hits_total"] > hits_before
-    assert rows_found(alone_rows, rows) == len(alone_rows)
+    assert engine.stats()["prefix_cache_hits_total"] > hits_before, "A's prompt was not found in the cache"
+    found = rows_found(alone_rows, rows)
+    assert found == len(alone_rows), (
+        f"of A's {len(alone_rows)} logits rows alone, {found} come out bit for bit the same after a cache hit")
 
 
 def test_speculation_on_and_off_gives_the_same_logits(tiny: LoadedModel) -> None:
