@@ -5,7 +5,7 @@ Both prompts are tokenized with the embedded model's tokenizer and cut into bloc
 blocks are allocated, keyed and freed (they stay cached, as after A finished); then B's keys are looked up the
 way `claim_cached_prefix` does: every full block but the one holding the last token, stopping at the first miss.
 
-    .venv/bin/python scripts/step10_block_keys.py
+    .venv/bin/python scripts/draw_block_keys.py
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ not on the model) on the workload of `step07_preemption/bench/bench_preempt.py` 
 of 100 to 512 tokens, blocks of 16) in 593 blocks, and prints the pool at the first preemption: who was running,
 how many blocks each held, who needed a block, and the victim.
 
-    .venv/bin/python scripts/step07_first_preemption.py [--preempt swap]
+    .venv/bin/python scripts/draw_first_preemption.py [--preempt swap]
 """
 
 from __future__ import annotations
