@@ -1,8 +1,9 @@
 """`python -m exercises engine`: the final engine with every exercise the learner has solved in place at once.
 
 It runs the last step of common/steps.py (its dry run: tiny random models of each architecture against HF; then
-a few of the demo prompts on the embedded model against HF) with each solved exercise's function swapped in, as
-`python -m exercises run` swaps one. Each swapped function is wrapped to count its calls, so the report says
+a few of the demo prompts on the embedded model against HF; speculation on, and the demo prompts in a pool too
+small for all of them, so that step 11's and step 07's functions run too) with each solved exercise's function
+swapped in, as `python -m exercises run` swaps one. Each swapped function is wrapped to count its calls, so the report says
 which of them the final engine ran, and which it did not reach on this device (a Triton kernel on a CPU, step
 01's serial forward, step 05's trace reader, ...): those are swapped in but never claimed to have run.
 """
@@ -18,6 +19,9 @@ from typing import Any
 from exercises.registry import EXERCISES, Exercise
 from exercises.runner import DRY_RUN_SWITCHES, patched, status
 
+SPECULATION = ["--speculative-tokens", "4"]  # n-gram guesses, up to 4 a step
+# The demo prompts in a pool too small for all of them at once, so that step 07's preemption runs too.
+TIGHT_POOL = {"block_size": 4, "num_blocks": 40}
 DEMO_MAX_TOKENS = 16  # new tokens per demo prompt: enough to differ from HF where a function is wrong
 
 
@@ -72,8 +76,8 @@ def run_engine(project: bool = False, prompts: int = 4, max_tokens: int = DEMO_M
     print(f"=== the final engine ({final.name}) with {whose} swapped in: {len(swapped)} of {len(EXERCISES)} ===")
     calls: Counter[str] = Counter()
     # With the step's switches on, as its exercises' dry run runs it (step 15's --batch-invariant: its two
-    # exercises live behind it).
-    switches = DRY_RUN_SWITCHES.get(final.name, [])
+    # exercises live behind it), and speculation on, so that step 11's run too (greedy: still HF's tokens).
+    switches = [*DRY_RUN_SWITCHES.get(final.name, []), *SPECULATION]
     with ExitStack() as stack:
         for exercise in swapped:
             function = exercise.solution() if project else exercise.learner_function()
@@ -82,8 +86,10 @@ def run_engine(project: bool = False, prompts: int = 4, max_tokens: int = DEMO_M
         dry_run_ok = main(final.name, None, ["--dry-run", "--max-tokens", "6", *switches],
                           add_arguments=final.add_arguments) == 0
         print(f"\n--- the embedded model, {prompts} demo prompts ---")
-        # The step's switches as config fields: "--batch-invariant" is batch_invariant=True.
-        fields = {flag.removeprefix("--").replace("-", "_"): True for flag in switches}
+        # The same switches as config fields: "--batch-invariant" is batch_invariant=True.
+        fields = {flag.removeprefix("--").replace("-", "_"): True for flag in DRY_RUN_SWITCHES.get(final.name, [])}
+        fields["speculative_tokens"] = int(SPECULATION[1])
+        fields.update(TIGHT_POOL)
         tokens_ok = demo_prompts_match_hf(final.name, fields, prompts, max_tokens)
     print(f"\n=== which functions the final engine ran ({whose}) ===")
     width = max(len(e.target) for e in EXERCISES)
