@@ -13,7 +13,7 @@ import pytest
 
 from common.cli import Parser
 from common.engine import Engine
-from common.steps import STEP_NAMES, STEPS, Step, engine_class, find_step
+from common.steps import LESSON_PATH, STEP_NAMES, STEPS, Step, engine_class, find_step
 
 REPO = Path(__file__).resolve().parent.parent
 SERVER = "step08_serve"  # not an engine: it serves any of them
@@ -25,10 +25,11 @@ def step_number(name: str) -> str:
     return name[len("step"):len("step") + 2]
 
 
-def test_the_readme_table_lists_the_steps_in_order() -> None:
+def test_the_readme_table_lists_the_steps_in_the_paths_order() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     listed = re.findall(r"^\| \[\d\d [^\]]+\]\((step\d\d_\w+)/README\.md\)", readme, flags=re.MULTILINE)
-    assert listed == sorted([*STEP_NAMES, SERVER, WRAPPER, TOOL])
+    assert listed == list(LESSON_PATH), f"the README's step table, {listed}, against common/steps.py's LESSON_PATH"
+    assert sorted(LESSON_PATH) == sorted([*STEP_NAMES, SERVER, WRAPPER, TOOL])
 
 
 @pytest.mark.parametrize("name", [*STEP_NAMES, SERVER, WRAPPER, TOOL])
