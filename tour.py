@@ -196,17 +196,25 @@ def step_label(module: str) -> str | None:
     return "common" if module == "common.engine" else None
 
 
-def shown_method(code: CodeType, module: str) -> tuple[str, str] | None:
-    """(step, "Class.method") if the trace shows this code: a method of a class defined in a step's folder or in
-    common/engine.py, neither a dunder (`__init__`, ...) nor a property (`Chunk.end`, ...); None otherwise."""
-    step = step_label(module)
-    owner_name, _, name = code.co_qualname.rpartition(".")
-    if step is None or not owner_name or "<" in code.co_qualname or name.startswith("__"):
-        return None  # outside the steps, a module's function, a function inside a function, or a dunder
-    owner = functools.reduce(getattr, owner_name.split("."), sys.modules[module])
-    if not isinstance(owner, type) or isinstance(vars(owner).get(name), (property, functools.cached_property)):
-        return None
-    return step, code.co_qualname
+def shown_methods() -> dict[CodeType, tuple[str, str]]:
+    """(step, "Class.method") by code object, for every method the trace shows: the functions, static and class
+    methods of the classes defined in a step's folder or in common/engine.py, dunders (`__init__`, ...) aside;
+    properties are not functions of the class, so they are not shown either. Keyed by code object because that is
+    what a running frame holds (and Python 3.10's code objects do not name their class)."""
+    shown: dict[CodeType, tuple[str, str]] = {}
+    for module_name, module in list(sys.modules.items()):
+        step = step_label(module_name)
+        if step is None:
+            continue
+        for cls in vars(module).values():
+            if not (isinstance(cls, type) and cls.__module__ == module_name):
+                continue  # not a class, or one imported from elsewhere: its own module names it
+            for name, value in vars(cls).items():
+                function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+                if inspect.isfunction(function) and not name.startswith("__"):
+                    # a decorated method: its own code, not the wrapper's, which other methods share
+                    shown[inspect.unwrap(function).__code__] = (step, f"{cls.__qualname__}.{name}")
+    return shown
 
 
 class CallRecorder:
@@ -216,10 +224,11 @@ class CallRecorder:
     def __init__(self) -> None:
         self.root = Call("", "")
         self.open: list[Call | None] = []  # one entry per Python call running now: its Call, None if not shown
-        self.shown: dict[CodeType, tuple[str, str] | None] = {}  # `shown_method` of each code object, once
+        self.shown: dict[CodeType, tuple[str, str]] = {}
 
     def record(self, function: Callable[[], object]) -> list[Call]:
         self.root.calls = []
+        self.shown = shown_methods()  # once the engine is built: every step's module is loaded by then
         sys.setprofile(self.profile)
         try:
             function()
@@ -229,10 +238,8 @@ class CallRecorder:
 
     def profile(self, frame: FrameType, event: str, arg: object) -> None:
         if event == "call":
-            code = frame.f_code
-            if code not in self.shown:
-                self.shown[code] = shown_method(code, frame.f_globals.get("__name__", ""))
-            call = None if self.shown[code] is None else Call(*self.shown[code])
+            method = self.shown.get(frame.f_code)
+            call = None if method is None else Call(*method)
             if call is not None:
                 next((c for c in reversed(self.open) if c is not None), self.root).calls.append(call)
             self.open.append(call)
