@@ -66,6 +66,10 @@ class GenerationFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: bool | int | None = None
+    logit_bias: dict[str, float] | None = None
+    # {"type": "text"} is what every server gives; json_object and json_schema constrain the output, which no step
+    # serves yet: refused rather than answered with free text under a 200.
+    response_format: dict[str, Any] | None = None
     user: str | None = None
     # Extras sent as top-level keys through the SDK's extra_body.
     top_k: int = Field(0, ge=-1)
@@ -96,10 +100,15 @@ class GenerationFields(BaseModel):
             "min_p": self.min_p != 0.0,
             "min_tokens": self.min_tokens != 0,
             "logprobs": bool(self.logprobs),
+            "logit_bias": bool(self.logit_bias),
         }
         for name, used in unsupported.items():
             if used:
                 raise RequestError(f"{name} is not supported by this server; leave it at its default", name)
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise RequestError(f"response_format of type {kind!r} is not supported by this server: it would answer "
+                               "with unconstrained text; send {\"type\": \"text\"} or leave it out", "response_format")
 
     def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
         """The engine's parameters for choice number `choice` of `n` (each choice gets its own seed)."""

@@ -206,6 +206,9 @@ BAD_BODIES = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
      400, "stream_options"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 5}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     400, "response_format"),
     ({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, 400, "messages"),
 ]
@@ -242,6 +245,16 @@ def test_sdk_raises_typed_errors(client: OpenAI) -> None:
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(BadRequestError, match="temperature"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=5)
+
+
+def test_a_json_response_format_is_refused_and_text_is_served(client: OpenAI) -> None:
+    """A client asking for JSON must not get free text under a 200: refused until a step constrains the output."""
+    with pytest.raises(BadRequestError, match="json_schema"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    text = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          response_format={"type": "text"})
+    assert text.choices[0].finish_reason == "length", text
 
 
 def test_api_key_is_required_when_set() -> None:
