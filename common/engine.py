@@ -142,6 +142,10 @@ class Engine(ABC):
 
     def check_request(self, request: Request) -> None:
         """Refuse, with a ValueError that says what to change, a request this engine could never run."""
+        vocab = self.model.config.vocab_size
+        outside = [t for t in request.params.logit_bias if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab})")
 
     @abstractmethod
     def step(self) -> list[RequestOutput]:
@@ -171,7 +175,8 @@ class Engine(ABC):
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """One token per request from logits [len(requests), vocab]; the one host sync of a step."""
-        token_ids = self.sampler(logits, [r.params for r in requests], [len(r.output_token_ids) for r in requests])
+        token_ids = self.sampler(logits, [r.params for r in requests], [len(r.output_token_ids) for r in requests],
+                                 [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests])
         return token_ids.tolist()
 
     def process_tokens(self, requests: Sequence[Request], token_ids: Sequence[int]) -> list[RequestOutput]:

@@ -1,6 +1,6 @@
 """Choosing the next token for a whole batch at once, on the device.
 
-Greedy rows take the argmax. Sampled rows scale by temperature, cut to top-k and top-p, and then use the
+Penalties and a logit bias (`LogitControls`) first change the logits of the rows that ask for them. Then greedy rows take the argmax. Sampled rows scale by temperature, cut to top-k and top-p, and then use the
 Gumbel-max trick: argmax(logits + Gumbel noise) is a draw from softmax(logits). The noise is not taken from a
 global random generator: it is a hash of (request seed, output position, vocabulary index), computed for
 all rows in one pass. So every request has its own seed, the batch stays one set of device ops, and a
@@ -30,6 +30,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # the stop text itself is not part of the output
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # keep going past end-of-sequence (benchmarks want fixed lengths)
+    # OpenAI's penalties, over the tokens generated so far: logit - count x frequency - presence (if count > 0).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF's, over the prompt and the output: a positive logit of a token seen is divided by it, a negative multiplied.
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the top one (after temperature)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,12 +51,31 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for token_id, bias in self.logit_bias.items():
+            if not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
         if self.seed is None:
             self.seed = _seed_source.randrange(2**31)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether penalties or a bias change this request's logits: they need its tokens so far, which the host
+        holds, so a path that picks tokens without the logits (a captured graph's argmax) cannot serve it."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
 
 
 _MASK32 = 0xFFFFFFFF
@@ -97,6 +123,7 @@ class SamplingTensors:
     seeds: torch.Tensor  # [rows] int64
     positions: torch.Tensor  # [rows] int64: the output position of the token being drawn
     is_greedy: torch.Tensor  # [rows] bool
+    min_p: torch.Tensor  # [rows] float32; 0.0 where there is no cut
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], output_positions: Sequence[int], vocab_size: int,
@@ -108,18 +135,26 @@ class SamplingTensors:
             seeds=torch.tensor([p.seed for p in params], device=device, dtype=torch.int64),
             positions=torch.tensor(list(output_positions), device=device, dtype=torch.int64),
             is_greedy=torch.tensor([p.greedy for p in params], device=device),
+            min_p=torch.tensor([p.min_p for p in params], device=device, dtype=torch.float32),
         )
 
 
 def sample_rows(logits: torch.Tensor, rows: SamplingTensors, cut: bool = True) -> torch.Tensor:
     """One token per row, from tensors only (no host decision depends on the values). `cut=False` skips
-    the top-k/top-p sort, which changes nothing when no row asks for a cut."""
+    the min-p, top-k and top-p cuts, which change nothing when no row asks for one."""
     greedy_ids = logits.argmax(dim=-1)
     scaled = logits / rows.temperature[:, None]
     if cut:
-        scaled = top_k_top_p(scaled, rows.top_k, rows.top_p)
+        scaled = top_k_top_p(min_p_cut(scaled, rows.min_p), rows.top_k, rows.top_p)
     sampled_ids = (scaled + gumbel_noise(rows.seeds, rows.positions, logits.shape[-1])).argmax(dim=-1)
     return torch.where(rows.is_greedy, greedy_ids, sampled_ids)
+
+
+def min_p_cut(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set every logit whose probability is below min_p times its row's top probability to -inf (the top token
+    always stays, so a greedy row is unchanged)."""
+    probs = scaled.softmax(dim=-1)
+    return scaled.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
 def top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -136,14 +171,64 @@ def top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
 
 
+@dataclass
+class LogitControls:
+    """The penalties and biases of a batch, as device tensors; neutral values on rows that use none."""
+
+    presence: torch.Tensor  # [rows, 1]
+    frequency: torch.Tensor  # [rows, 1]
+    repetition: torch.Tensor  # [rows, 1]
+    output_counts: torch.Tensor  # [rows, vocab] float32: how often each token was generated
+    seen: torch.Tensor  # [rows, vocab] bool: in the prompt or the output
+    bias: torch.Tensor  # [rows, vocab] float32
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
+              outputs: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> LogitControls:
+        """One transfer of the token ids of the rows that use a control, counted by one scatter on the device."""
+        used = [i for i, p in enumerate(params) if p.adjusts_logits]
+        rows = len(params)
+
+        def row_and_token(lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            pairs = [(i, t) for i in used for t in lists[i]]
+            both = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(device)
+            return both[:, 0], both[:, 1]
+
+        counts = torch.zeros(rows, vocab_size, device=device)
+        counts.index_put_(row_and_token(outputs), torch.ones((), device=device), accumulate=True)
+        seen = counts > 0
+        seen.index_put_(row_and_token(prompts), torch.ones((), dtype=torch.bool, device=device))
+        bias = torch.zeros(rows, vocab_size, device=device)
+        biased = [(i, t, b) for i in used for t, b in params[i].logit_bias.items()]
+        if biased:
+            where = torch.tensor([(i, t) for i, t, _ in biased], dtype=torch.int64, device=device)
+            bias[where[:, 0], where[:, 1]] = torch.tensor([b for *_, b in biased], device=device)
+        column = lambda values: torch.tensor(values, device=device, dtype=torch.float32)[:, None]  # noqa: E731
+        return cls(presence=column([p.presence_penalty for p in params]),
+                   frequency=column([p.frequency_penalty for p in params]),
+                   repetition=column([p.repetition_penalty for p in params]),
+                   output_counts=counts, seen=seen, bias=bias)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The bias, then the repetition penalty, then frequency and presence (vLLM's order)."""
+        logits = logits + self.bias
+        penalized = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+        logits = torch.where(self.seen, penalized, logits)
+        return logits - self.output_counts * self.frequency - (self.output_counts > 0) * self.presence
+
+
 class Sampler:
     """Samples one token per row of a logits batch for the given per-row parameters."""
 
     def __call__(
-        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_positions: Sequence[int]
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_positions: Sequence[int],
+        prompts: Sequence[Sequence[int]] = (), outputs: Sequence[Sequence[int]] = (),
     ) -> torch.Tensor:
-        """logits: [rows, vocab] float32. Returns token ids [rows] (int64, on the logits' device)."""
+        """logits: [rows, vocab] float32; `prompts` and `outputs`: each row's token ids, needed only where a row
+        uses a penalty or a bias. Returns token ids [rows] (int64, on the logits' device)."""
+        if any(p.adjusts_logits for p in params):  # a host-side check: a batch with no control pays nothing
+            logits = LogitControls.build(params, prompts, outputs, logits.shape[-1], logits.device).apply(logits)
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1)
         rows = SamplingTensors.build(params, output_positions, logits.shape[-1], logits.device)
-        return sample_rows(logits, rows, cut=any(p.top_k or p.top_p < 1 for p in params))
+        return sample_rows(logits, rows, cut=any(p.top_k or p.top_p < 1 or p.min_p for p in params))

@@ -77,6 +77,7 @@ class PagedEngine(Engine):
         return self.cache.blocks_for(request.max_total_tokens)
 
     def check_request(self, request: Request) -> None:
+        super().check_request(request)
         need = self.worst_case_blocks(request)
         if need > self.allocator.num_blocks:
             raise ValueError(

@@ -146,7 +146,7 @@ class OpenAIServer:
         if body.model != self.served_model:
             raise RequestError(f"the model {body.model!r} does not exist; this server serves {self.served_model!r}",
                                "model", status=404, code="model_not_found")
-        body.check_supported()
+        body.check_supported(self.engine.model.config.vocab_size)
         return body
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
@@ -174,7 +174,7 @@ class OpenAIServer:
             for c in range(body.n):
                 index = p * body.n + c
                 try:
-                    params = body.sampling_params(max_tokens, c)
+                    params = body.sampling_params(max_tokens, c, self.engine.model.config.vocab_size)
                 except ValueError as err:
                     raise RequestError(str(err)) from None
                 streams.append((index, self.async_engine.generate(prompt_ids, params, f"{base_id}-{index}",

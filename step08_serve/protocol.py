@@ -66,7 +66,7 @@ class GenerationFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logprobs: bool | int | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
     # {"type": "text"} is what every server gives; json_object and json_schema constrain the output, which no step
     # serves yet: refused rather than answered with free text under a 200.
     response_format: dict[str, Any] | None = None
@@ -90,17 +90,13 @@ class GenerationFields(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return value
 
-    def check_supported(self) -> None:
+    def check_supported(self, vocab_size: int) -> None:
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true", "stream_options")
+        self.token_biases(vocab_size)
         unsupported = {
-            "presence_penalty": self.presence_penalty != 0.0,
-            "frequency_penalty": self.frequency_penalty != 0.0,
-            "repetition_penalty": self.repetition_penalty != 1.0,
-            "min_p": self.min_p != 0.0,
             "min_tokens": self.min_tokens != 0,
             "logprobs": bool(self.logprobs),
-            "logit_bias": bool(self.logit_bias),
         }
         for name, used in unsupported.items():
             if used:
@@ -110,7 +106,20 @@ class GenerationFields(BaseModel):
             raise RequestError(f"response_format of type {kind!r} is not supported by this server: it would answer "
                                "with unconstrained text; send {\"type\": \"text\"} or leave it out", "response_format")
 
-    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+    def token_biases(self, vocab_size: int) -> dict[int, float]:
+        """`logit_bias` with its keys as token ids, each checked against the vocabulary, each bias in [-100, 100]."""
+        biases = {}
+        for key, bias in (self.logit_bias or {}).items():
+            token_id = int(key) if key.strip().lstrip("-").isdigit() else -1
+            if not 0 <= token_id < vocab_size:
+                raise RequestError(f"logit_bias: key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+            if not -100 <= bias <= 100:
+                raise RequestError(f"logit_bias: the bias of token {key} must be in [-100, 100], got {bias}",
+                                   "logit_bias")
+            biases[token_id] = bias
+        return biases
+
+    def sampling_params(self, max_tokens: int, choice: int, vocab_size: int) -> SamplingParams:
         """The engine's parameters for choice number `choice` of `n` (each choice gets its own seed)."""
         seed = None if self.seed is None else self.seed + choice
         return SamplingParams(
@@ -122,6 +131,11 @@ class GenerationFields(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias=self.token_biases(vocab_size),
         )
 
     @property
@@ -145,8 +159,8 @@ class CompletionRequest(GenerationFields):
     echo: bool = False
     suffix: str | None = None
 
-    def check_supported(self) -> None:
-        super().check_supported()
+    def check_supported(self, vocab_size: int) -> None:
+        super().check_supported(vocab_size)
         if self.echo:
             raise RequestError("echo is not supported by this server", "echo")
         if self.suffix:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from common.sampling import SamplingTensors, gumbel_noise, top_k_top_p, uniform_noise
+from common.sampling import SamplingTensors, gumbel_noise, min_p_cut, top_k_top_p, uniform_noise
 
 # Acceptance tests draw from another stream than the Gumbel noise of the same (seed, position).
 ACCEPT_STREAM = 0x5BD1E995
@@ -34,11 +34,12 @@ def accept_greedy(proposals: list[int], target_tokens: list[int]) -> list[int]:
 
 
 def target_probabilities(logits: torch.Tensor, rows: SamplingTensors) -> torch.Tensor:
-    """The distribution each row samples from: temperature, then top-k and top-p, then softmax. `logits` is
+    """The distribution each row samples from: temperature, then min-p, top-k and top-p, then softmax. `logits` is
     [rows, positions, vocab]; `rows` holds one entry per row (its positions share its parameters)."""
     scaled = logits / rows.temperature[:, None, None]
     flat = scaled.flatten(0, 1)
     per_position = lambda t: t.repeat_interleave(logits.shape[1])  # noqa: E731
+    flat = min_p_cut(flat, per_position(rows.min_p))
     return top_k_top_p(flat, per_position(rows.top_k), per_position(rows.top_p)).softmax(-1).view_as(logits)
 
 

@@ -17,6 +17,7 @@ from openai.types import Completion as CompletionResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from common.loading import LoadedModel, load_model
+from common.sampling import SamplingParams
 from step02_paged_kv.engine import PagedEngineConfig
 from step03_vectorized_gather.engine import VectorizedGatherEngine
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
@@ -191,6 +192,29 @@ def test_extra_body_fields_are_honoured_and_unknown_ones_ignored(client: OpenAI)
     assert eos_free.choices[0].message.content == chat(client, max_tokens=12).choices[0].message.content
 
 
+def test_sampling_controls_through_the_sdk(served: tuple[Served, str], client: OpenAI) -> None:
+    """Penalties, min_p and logit_bias are served: a bias of -100 on the greedy answer's first token changes it;
+    a strong repetition penalty changes a greedy answer that repeats itself."""
+    s, _ = served
+    # The reference: a second engine on the same weights (the served one belongs to the server's thread).
+    local = VectorizedGatherEngine(s.engine.loaded, PagedEngineConfig(device="cpu", block_size=16, num_blocks=64))
+    plain = client.completions.create(model=MODEL, prompt="a b a b a b", max_tokens=8, temperature=0)
+    first = s.engine.tokenizer.encode(plain.choices[0].text)[0]
+    biased = client.completions.create(model=MODEL, prompt="a b a b a b", max_tokens=8, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert s.engine.tokenizer.encode(biased.choices[0].text)[0] != first
+    penalized = client.completions.create(model=MODEL, prompt="a b a b a b", max_tokens=8, temperature=0,
+                                          extra_body={"repetition_penalty": 1.3})
+    reference = local.generate(["a b a b a b"], SamplingParams(max_tokens=8, repetition_penalty=1.3))[0]
+    assert penalized.choices[0].text == reference.text != plain.choices[0].text
+    both = chat(client, presence_penalty=1.5, frequency_penalty=-0.5, extra_body={"min_p": 0.2})
+    reference = local.generate([local.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me about the sea."}])], SamplingParams(
+        max_tokens=12, presence_penalty=1.5, frequency_penalty=-0.5, min_p=0.2))[0]
+    assert both.choices[0].message.content == reference.text
+    s.assert_idle()
+
+
 # ----- bad input ---------------------------------------------------------------------------------------
 
 
@@ -205,8 +229,15 @@ BAD_BODIES = [
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}},
      400, "stream_options"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 5}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, 400,
+     "repetition_penalty"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}, 400, "min_p"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"42": 101}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"hello": 5}}, 400, "logit_bias"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999999": 5}}, 400,
+     "logit_bias"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
      400, "response_format"),
     ({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
