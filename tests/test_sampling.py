@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from common.sampling import Sampler, SamplingParams, gumbel_noise
+from common.sampling import LogitControls, Sampler, SamplingParams, gumbel_noise
 
 VOCAB = 1000
 
@@ -165,3 +167,56 @@ def test_top_k_never_samples_a_cut_token_even_at_the_worst_hash() -> None:
     allowed = set(logits.topk(5).indices.tolist())
     token = Sampler()(logits[None], [SamplingParams(temperature=1.0, top_k=5, seed=8)], [29]).item()
     assert token in allowed
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ],
+)
+def test_invalid_controls_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_penalties_and_bias_change_one_row_as_defined() -> None:
+    """The sampler's transform of a row, against a hand computation; the other rows of the batch are untouched."""
+    logits = random_logits(3, vocab=10)
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias={7: 3.0})
+    prompt, output = [1, 2], [2, 3, 3]
+    expected = logits[1].clone()
+    expected[7] += 3.0
+    for token in (1, 2, 3):
+        expected[token] = expected[token] / 2 if expected[token] > 0 else expected[token] * 2
+    expected[2] -= 1 * 0.25 + 0.5
+    expected[3] -= 2 * 0.25 + 0.5
+    rows = [SamplingParams(), params, SamplingParams()]
+    for token in range(10):  # a bias of +100 on each token in turn shows where the argmax of the changed row lies
+        biased = dataclasses.replace(params, logit_bias={**params.logit_bias, token: params.logit_bias.get(token, 0)})
+        got = Sampler()(logits, [rows[0], biased, rows[2]], [0, 3, 0], [[], prompt, []], [[], output, []])
+        assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
+        assert got[1] == expected.argmax()
+    controls = LogitControls.build(rows, [[], prompt, []], [[], output, []], 10, torch.device("cpu"))
+    changed = controls.apply(logits)
+    assert torch.equal(changed[0], logits[0]) and torch.equal(changed[2], logits[2])
+    torch.testing.assert_close(changed[1], expected)
+
+
+def test_min_p_draws_only_from_the_allowed_set_and_keeps_greedy() -> None:
+    """Seeded draws with min_p are the draws from the logits with the disallowed tokens removed by hand."""
+    row = random_logits(1, seed=3, scale=1.0)[0]
+    params = SamplingParams(temperature=1.3, min_p=0.2, seed=11)
+    probs = (row / 1.3).softmax(-1)
+    masked = row.masked_fill(probs < 0.2 * probs.max(), float("-inf"))
+    drawn = sample_positions(row, params, range(200))
+    assert torch.equal(drawn, sample_positions(masked, dataclasses.replace(params, min_p=0.0), range(200)))
+    assert set(drawn.tolist()) <= set(torch.nonzero(masked > float("-inf")).flatten().tolist())
+    assert len(set(drawn.tolist())) > 1 and bool((masked == float("-inf")).any())
+    greedy = SamplingParams(min_p=0.9)
+    assert Sampler()(row[None], [greedy], [0])[0] == row.argmax()
