@@ -1,6 +1,7 @@
 """Choosing the next token for a whole batch at once, on the device.
 
-Penalties and a logit bias (`LogitControls`) first change the logits of the rows that ask for them. Then greedy rows take the argmax. Sampled rows scale by temperature, cut to top-k and top-p, and then use the
+Penalties and a logit bias (`LogitControls`) first change the logits of the rows that ask for them. Then greedy
+rows take the argmax. Sampled rows scale by temperature, cut to min-p, top-k and top-p, and then use the
 Gumbel-max trick: argmax(logits + Gumbel noise) is a draw from softmax(logits). The noise is not taken from a
 global random generator: it is a hash of (request seed, output position, vocabulary index), computed for
 all rows in one pass. So every request has its own seed, the batch stays one set of device ops, and a
@@ -203,7 +204,9 @@ class LogitControls:
         if biased:
             where = torch.tensor([(i, t) for i, t, _ in biased], dtype=torch.int64, device=device)
             bias[where[:, 0], where[:, 1]] = torch.tensor([b for *_, b in biased], device=device)
-        column = lambda values: torch.tensor(values, device=device, dtype=torch.float32)[:, None]  # noqa: E731
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, device=device, dtype=torch.float32)[:, None]
+
         return cls(presence=column([p.presence_penalty for p in params]),
                    frequency=column([p.frequency_penalty for p in params]),
                    repetition=column([p.repetition_penalty for p in params]),
