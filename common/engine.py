@@ -174,9 +174,14 @@ class Engine(ABC):
     # ----- shared by the steps -----------------------------------------------------------------------
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """One token per request from logits [len(requests), vocab]; the one host sync of a step."""
-        token_ids = self.sampler(logits, [r.params for r in requests], [len(r.output_token_ids) for r in requests],
-                                 [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests])
+        """One token per request from logits [len(requests), vocab]; the one host sync of a step. A request that
+        asks for log-probabilities gets its token's `TokenLogprob` on its record, for `append_token` to hand out."""
+        token_ids, logprobs = self.sampler.sample(
+            logits, [r.params for r in requests], [len(r.output_token_ids) for r in requests],
+            [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests])
+        for request, logprob in zip(requests, logprobs, strict=True):
+            if logprob is not None:
+                request.output_logprobs.append(logprob)
         return token_ids.tolist()
 
     def process_tokens(self, requests: Sequence[Request], token_ids: Sequence[int]) -> list[RequestOutput]:

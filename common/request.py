@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from common.sampling import SamplingParams
+from common.sampling import SamplingParams, TokenLogprob
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -41,6 +41,7 @@ class RequestOutput:
     # Whatever the caller of `add_request` gave to find the request's outputs by (step 08's server: the request's
     # stream), handed back with each one, so that no caller keeps a map of request ids.
     listener: Any = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the new tokens, where the request asks
 
 
 @dataclass
@@ -72,6 +73,9 @@ class Request:
     finish_reason: FinishReason | None = None
     text: str = ""  # the output text so far, already cut at a stop string
     listener: Any = None  # given to `add_request`, handed back on its outputs (see `RequestOutput.listener`)
+    # One per output token where `params.logprobs` is set. The sampler's record of a token lands here as the token is
+    # drawn (`Engine.sample`), just before `append_token` appends the token itself.
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
     _emitted_chars: int = 0  # how much of `text` has been handed out
 
     @classmethod
@@ -133,8 +137,10 @@ class Request:
             self.text += self.detokenizer.flush()  # release a held-back partial character
             self._cut_at_stop_string()
             self.status = RequestStatus.FINISHED
+        # This token's record, if the sampler left one (the slice is empty where the request asks for none).
+        logprobs = self.output_logprobs[len(self.output_token_ids) - 1 : len(self.output_token_ids)]
         return RequestOutput(self.request_id, [token_id], self._take_new_text(), self.finished, self.finish_reason,
-                             self.listener)
+                             self.listener, logprobs)
 
     def abort(self) -> RequestOutput:
         self.status = RequestStatus.FINISHED

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 _seed_source = random.SystemRandom()
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit for chat)
 
 
 @dataclass
@@ -38,6 +39,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0  # keep tokens at least min_p times as likely as the top one (after temperature)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # None: no log-probabilities; 0: the chosen token's; n: also the n most likely tokens' (see `TokenLogprob`).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +67,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token_id!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.seed is None:
             self.seed = _seed_source.randrange(2**31)
 
@@ -77,6 +82,24 @@ class SamplingParams:
         holds, so a path that picks tokens without the logits (a captured graph's argmax) cannot serve it."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias)
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether picking this request's token needs its whole row of logits in the shared sampler: for its
+        penalties or bias, or for its log-probabilities. A path that picks tokens otherwise (a captured graph's
+        argmax, a check of proposals) leaves such a request to the sampler."""
+        return self.adjusts_logits or self.logprobs is not None
+
+
+@dataclass
+class TokenLogprob:
+    """The log-probability of one chosen token, and of the most likely tokens at its position (those the request
+    asked for, most likely first), under the distribution it was drawn from: log_softmax of the logits after
+    penalties and bias and divided by the temperature (1 for greedy rows), before the min-p, top-k and top-p cuts."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
 _MASK32 = 0xFFFFFFFF
@@ -229,9 +252,39 @@ class Sampler:
     ) -> torch.Tensor:
         """logits: [rows, vocab] float32; `prompts` and `outputs`: each row's token ids, needed only where a row
         uses a penalty or a bias. Returns token ids [rows] (int64, on the logits' device)."""
+        return self.sample(logits, params, output_positions, prompts, outputs)[0]
+
+    def sample(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], output_positions: Sequence[int],
+        prompts: Sequence[Sequence[int]] = (), outputs: Sequence[Sequence[int]] = (),
+    ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+        """`__call__`'s token ids, and for each row that asks (`SamplingParams.logprobs`) its `TokenLogprob`:
+        None for the others."""
         if any(p.adjusts_logits for p in params):  # a host-side check: a batch with no control pays nothing
             logits = LogitControls.build(params, prompts, outputs, logits.shape[-1], logits.device).apply(logits)
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1)
-        rows = SamplingTensors.build(params, output_positions, logits.shape[-1], logits.device)
-        return sample_rows(logits, rows, cut=any(p.top_k or p.top_p < 1 or p.min_p for p in params))
+            token_ids = logits.argmax(dim=-1)
+        else:
+            rows = SamplingTensors.build(params, output_positions, logits.shape[-1], logits.device)
+            token_ids = sample_rows(logits, rows, cut=any(p.top_k or p.top_p < 1 or p.min_p for p in params))
+        if all(p.logprobs is None for p in params):  # a host-side check too: no row asks, nothing is computed
+            return token_ids, [None] * len(params)
+        return token_ids, token_logprobs(logits, params, token_ids)
+
+
+def token_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams], token_ids: torch.Tensor
+                   ) -> list[TokenLogprob | None]:
+    """Each asking row's `TokenLogprob` for its chosen token, from the logits after penalties and bias: one
+    log_softmax over those rows and one top-k for the largest count asked, then one copy to the host."""
+    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+    where = torch.tensor(asking, device=logits.device)
+    temperature = torch.tensor([params[i].temperature or 1.0 for i in asking], device=logits.device)
+    logprobs = (logits[where] / temperature[:, None]).log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, token_ids[where][:, None])[:, 0]
+    top_values, top_ids = logprobs.topk(max(params[i].logprobs or 0 for i in asking), dim=-1)
+    results: list[TokenLogprob | None] = [None] * len(params)
+    for row, token_id, logprob, values, ids in zip(asking, token_ids[where].tolist(), chosen.tolist(),
+                                                   top_values.tolist(), top_ids.tolist(), strict=True):
+        n = params[row].logprobs or 0
+        results[row] = TokenLogprob(token_id, logprob, list(zip(ids[:n], values[:n], strict=True)))
+    return results

@@ -14,6 +14,7 @@ Every request, however it ends (finished, client gone, error), leaves nothing be
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -29,6 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from common.request import RequestOutput
+from common.sampling import TokenLogprob
+from common.tokenizer import Tokenizer
 from step08_serve.async_engine import AsyncEngine, EngineDeadError
 from step08_serve.protocol import (
     ChatCompletionRequest,
@@ -86,13 +89,14 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self.parse(request, ChatCompletionRequest)
-        return await self.respond(request, body, [self.chat_prompt(body)], ChatShape(self.served_model))
+        shape = ChatShape(self.served_model, self.engine.tokenizer)
+        return await self.respond(request, body, [self.chat_prompt(body)], shape)
 
     async def completions(self, request: Request) -> Response:
         body = await self.parse(request, CompletionRequest)
         prompts = [self.checked_prompt(self.engine.tokenizer.encode(p) if isinstance(p, str) else p, "prompt")
                    for p in body.prompts()]
-        return await self.respond(request, body, prompts, CompletionShape(self.served_model))
+        return await self.respond(request, body, prompts, CompletionShape(self.served_model, self.engine.tokenizer))
 
     async def models(self) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -220,6 +224,7 @@ class ChoiceResult:
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[TokenLogprob]
 
 
 class ResponseShape(ABC):
@@ -230,22 +235,29 @@ class ResponseShape(ABC):
     object: str  # of a whole response
     chunk_object: str  # of each streamed chunk
 
-    def __init__(self, served_model: str) -> None:
+    def __init__(self, served_model: str, tokenizer: Tokenizer) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = served_model
+        self.tokenizer = tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def head(self, object_type: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_type, "created": self.created, "model": self.model}
 
-    def chunk(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:
-        return self.head(self.chunk_object) | {"choices": [self.chunk_choice(index, text, first, finish_reason)]}
+    def chunk(self, index: int, text: str, first: bool, finish_reason: str | None,
+              logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        choice = self.chunk_choice(index, text, first, finish_reason) | {"logprobs": self.logprobs(index, logprobs)}
+        return self.head(self.chunk_object) | {"choices": [choice]}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return self.head(self.chunk_object) | {"choices": [], "usage": usage}
 
     def response(self, choices: list[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]:
-        return self.head(self.object) | {"choices": [self.choice(c) for c in choices], "usage": usage}
+        choices_json = [self.choice(c) | {"logprobs": self.logprobs(c.index, c.logprobs)} for c in choices]
+        return self.head(self.object) | {"choices": choices_json, "usage": usage}
 
     @abstractmethod
     def chunk_choice(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:
@@ -253,7 +265,11 @@ class ResponseShape(ABC):
 
     @abstractmethod
     def choice(self, c: ChoiceResult) -> dict[str, Any]:
-        """One choice of a non-streamed response."""
+        """One choice of a non-streamed response (`response` adds its log-probabilities)."""
+
+    @abstractmethod
+    def logprobs(self, index: int, tokens: list[TokenLogprob]) -> dict[str, Any] | None:
+        """The `logprobs` of choice `index` for these tokens (the next ones, when streamed); None if it has none."""
 
 
 class CompletionShape(ResponseShape):
@@ -261,11 +277,26 @@ class CompletionShape(ResponseShape):
     object = "text_completion"
     chunk_object = "text_completion"
 
+    def __init__(self, served_model: str, tokenizer: Tokenizer) -> None:
+        super().__init__(served_model, tokenizer)
+        self.text_offsets: dict[int, int] = {}  # each choice's text length so far, for the next token's offset
+
     def chunk_choice(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": index, "text": text, "finish_reason": finish_reason}
 
     def choice(self, c: ChoiceResult) -> dict[str, Any]:
-        return {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+        return {"index": c.index, "text": c.text, "finish_reason": c.finish_reason}
+
+    def logprobs(self, index: int, tokens: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not tokens:
+            return None
+        texts = [self.token_text(t.token_id) for t in tokens]
+        offsets = list(itertools.accumulate(map(len, texts), initial=self.text_offsets.get(index, 0)))
+        self.text_offsets[index] = offsets.pop()
+        # The legacy form: each position's alternatives as text -> logprob, the chosen token always among them.
+        top = [{self.token_text(i): lp for i, lp in t.top} | {text: t.logprob} for t, text in zip(tokens, texts)]
+        return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens], "top_logprobs": top,
+                "text_offset": offsets}
 
 
 class ChatShape(ResponseShape):
@@ -278,11 +309,21 @@ class ChatShape(ResponseShape):
         delta: dict[str, str] = {"role": "assistant"} if first else {}
         if text or first:
             delta["content"] = text
-        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": index, "delta": delta, "finish_reason": finish_reason}
 
     def choice(self, c: ChoiceResult) -> dict[str, Any]:
         return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason, "logprobs": None}
+                "finish_reason": c.finish_reason}
+
+    def logprobs(self, index: int, tokens: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not tokens:
+            return None
+        return {"content": [self.entry(t.token_id, t.logprob)
+                            | {"top_logprobs": [self.entry(i, lp) for i, lp in t.top]} for t in tokens]}
+
+    def entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def usage(prompts: list[list[int]], completion_tokens: int) -> dict[str, int]:
@@ -329,13 +370,15 @@ async def collect(streams: Streams) -> list[ChoiceResult]:
     """Every choice run to its end, for a non-streamed response."""
     texts: dict[int, list[str]] = {i: [] for i, _ in streams}
     ids: dict[int, list[int]] = {i: [] for i, _ in streams}
+    logprobs: dict[int, list[TokenLogprob]] = {i: [] for i, _ in streams}
     reasons: dict[int, str] = {}
     async for index, out in merged(streams):
         texts[index].append(out.new_text)
         ids[index] += out.new_token_ids
+        logprobs[index] += out.logprobs
         if out.finished and out.finish_reason is not None:
             reasons[index] = out.finish_reason.value
-    return [ChoiceResult(i, "".join(texts[i]), ids[i], reasons[i]) for i, _ in streams]
+    return [ChoiceResult(i, "".join(texts[i]), ids[i], reasons[i], logprobs[i]) for i, _ in streams]
 
 
 async def unless_disconnected(request: Request, awaitable: Awaitable[Any]) -> Any:
@@ -371,8 +414,8 @@ async def stream_events(shape: ResponseShape, prompts: list[list[int]], first: t
             first_of_choice = index not in started
             started.add(index)
             reason = out.finish_reason.value if out.finished and out.finish_reason else None
-            if first_of_choice or out.new_text or reason:
-                yield sse(shape.chunk(index, out.new_text, first_of_choice, reason))
+            if first_of_choice or out.new_text or reason or out.logprobs:
+                yield sse(shape.chunk(index, out.new_text, first_of_choice, reason, out.logprobs))
         if include_usage:
             yield sse(shape.usage_chunk(usage(prompts, completion_tokens)))
     except (EngineDeadError, ValueError) as err:  # after the stream began: an error event, not an HTTP status

@@ -65,7 +65,6 @@ class GenerationFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logprobs: bool | int | None = None
     logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
     # {"type": "text"} is what every server gives; json_object and json_schema constrain the output, which no step
     # serves yet: refused rather than answered with free text under a 200.
@@ -94,13 +93,8 @@ class GenerationFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed when stream is true", "stream_options")
         self.token_biases(vocab_size)
-        unsupported = {
-            "min_tokens": self.min_tokens != 0,
-            "logprobs": bool(self.logprobs),
-        }
-        for name, used in unsupported.items():
-            if used:
-                raise RequestError(f"{name} is not supported by this server; leave it at its default", name)
+        if self.min_tokens != 0:
+            raise RequestError("min_tokens is not supported by this server; leave it at its default", "min_tokens")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise RequestError(f"response_format of type {kind!r} is not supported by this server: it would answer "
@@ -136,7 +130,12 @@ class GenerationFields(BaseModel):
             repetition_penalty=self.repetition_penalty,
             min_p=self.min_p,
             logit_bias=self.token_biases(vocab_size),
+            logprobs=self.logprobs_count(),
         )
+
+    def logprobs_count(self) -> int | None:
+        """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
+        return None
 
     @property
     def include_usage_chunk(self) -> bool:
@@ -147,6 +146,16 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def check_supported(self, vocab_size: int) -> None:
+        super().check_supported(vocab_size)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs is only allowed when logprobs is true", "top_logprobs")
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_budget(self) -> int | None:
         """Chat has no default budget: None means "up to the context limit"."""
@@ -156,12 +165,13 @@ class ChatCompletionRequest(GenerationFields):
 class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
 
     def check_supported(self, vocab_size: int) -> None:
         super().check_supported(vocab_size)
-        if self.echo:
+        if self.echo:  # with logprobs too: the prompt's log-probabilities are not computed
             raise RequestError("echo is not supported by this server", "echo")
         if self.suffix:
             raise RequestError("suffix is not supported by this server", "suffix")
@@ -181,3 +191,6 @@ class CompletionRequest(GenerationFields):
 
     def token_budget(self) -> int | None:
         return self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs

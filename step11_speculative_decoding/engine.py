@@ -178,8 +178,10 @@ class SpeculativeEngine(PrefixCachingEngine):
 
     def proposal_room(self, request: SpeculativeRequest) -> int:
         """The most tokens it may propose: k, and one fewer than it may still emit (the step's own token)."""
-        if request.params.adjusts_logits:
-            return 0  # penalties depend on each token before: it decodes one token a step, through the sampler
+        if request.params.needs_logits:
+            # Penalties depend on each token before, and log-probabilities come from the sampler: it decodes one
+            # token a step, through the sampler.
+            return 0
         return min(self.config.speculative_tokens, request.max_total_tokens - request.num_tokens - 1)
 
     # The rule, on its own so that the step's economics read in a few lines (exercise 11-proposal-counts).

@@ -127,15 +127,15 @@ class CudaGraphEngine(SpeculativeEngine):
 
     @torch.inference_mode()
     def decode(self, requests: list[SpeculativeRequest]) -> list[RequestOutput]:
-        if self.graphs is None or len(requests) > self.graphs.max_batch or self.adjusts_logits(requests):
+        if self.graphs is None or len(requests) > self.graphs.max_batch or self.needs_logits(requests):
             return super().decode(requests)
         return self.process_tokens(requests, self.launch(requests).wait())
 
     @staticmethod
-    def adjusts_logits(requests: list[SpeculativeRequest]) -> bool:
-        """Whether a request uses a penalty or a bias: the graphs sample in the graph, from the logits alone, so
-        such a batch runs eagerly and the sampler applies them."""
-        return any(r.params.adjusts_logits for r in requests)
+    def needs_logits(requests: list[SpeculativeRequest]) -> bool:
+        """Whether a request uses a penalty or a bias, or asks for log-probabilities: the graphs sample in the
+        graph, from the logits alone, so such a batch runs eagerly and the sampler serves them."""
+        return any(r.params.needs_logits for r in requests)
 
     def launch(self, requests: list[SpeculativeRequest]) -> PendingTokens:
         """Give each request its next block if it needs one, and launch its decode step without waiting."""
@@ -151,7 +151,7 @@ class CudaGraphEngine(SpeculativeEngine):
     def compute_chunks(self, chunks: list[Chunk], sampling: list[Chunk]) -> list[int]:
         """Step 09's mixed forward on the static buffers of `MixedStepGraphs`, replayed where captured."""
         if (self.mixed is None or not self.mixed.fits(sum(c.num_tokens for c in chunks), len(chunks))
-                or self.adjusts_logits([c.request for c in sampling])):
+                or self.needs_logits([c.request for c in sampling])):
             return super().compute_chunks(chunks, sampling)
         pending = self.mixed.launch([self.mixed_chunk(c) for c in chunks])
         if not sampling:
@@ -176,8 +176,9 @@ class CudaGraphEngine(SpeculativeEngine):
         graphs = self.verify_graphs
         if graphs is None or not graphs.fits(sum(c.num_tokens for c in chunks), len(chunks)):
             return super().compute_verified(chunks)
-        # A penalty or bias needs the logits (its greedy token is not their argmax): the sampler picks its token.
-        sampled = any(not c.request.params.greedy or c.request.params.adjusts_logits for c in chunks if c.samples)
+        # A penalty or bias (its greedy token is not their argmax) or log-probabilities need the logits: the sampler
+        # picks its token.
+        sampled = any(not c.request.params.greedy or c.request.params.needs_logits for c in chunks if c.samples)
         outputs = graphs.run([self.mixed_chunk(c) for c in chunks], sampled)[self.logit_rows(chunks)]
         return self.tokens_from_logits(chunks, outputs) if sampled else self.tokens_from_argmax(chunks, outputs)
 

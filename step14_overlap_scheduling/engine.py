@@ -114,7 +114,7 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
     def decode(self, requests: list[SpeculativeRequest]) -> list[RequestOutput]:
         ahead, self.launched_ahead = self.launched_ahead, None
         if (not self.overlap or self.graphs is None or len(requests) > self.graphs.max_batch
-                or self.adjusts_logits(requests)):
+                or self.needs_logits(requests)):
             return super().decode(requests)
         # The step launched ahead computed these requests' tokens already, unless the batch changed since
         # in a way it could not foresee (someone swapped in, or was preempted and admitted again).
@@ -161,8 +161,10 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
         batch = [r for r in self.running if not self.finishes_by_length(r, pending=r in current.row_of)]
         if not batch or len(batch) > self.graphs.max_batch:
             return None
-        if self.adjusts_logits(batch):
-            return None  # its penalties count the tokens on the host, where this step's token is not yet
+        if self.needs_logits(batch):
+            # Its penalties count the tokens on the host, where this step's token is not yet; its log-probabilities
+            # come from the sampler, which a step launched ahead does not run.
+            return None
         if self.may_speculate(batch):
             return None  # a proposal needs this step's token, on the host, before the next step can be laid out
         new_blocks = sum(self.needs_new_block(r, r.num_tokens + (r in current.row_of)) for r in batch)
