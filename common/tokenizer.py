@@ -7,12 +7,27 @@ decodes a short window of recent tokens instead and holds text back until the by
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's piece for one raw byte
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's table, inverted: the printable character each of the 256 bytes is written as in a token's
+    piece (printable Latin-1 bytes as themselves, the others from U+0100 up, in byte order), to its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
+
+BYTE_OF_CHAR = byte_level_alphabet()
 
 
 class Tokenizer:
@@ -48,6 +63,16 @@ class Tokenizer:
         text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # The template already wrote any BOS it wants; adding special tokens again would double it.
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for. A token holding part of a multi-byte character decodes alone to
+        U+FFFD; its bytes are still exact (what an OpenAI logprobs entry's `bytes` reports)."""
+        piece = self.hf.convert_ids_to_tokens(token_id)
+        if byte := BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(byte.group(1), 16)])
+        if all(ch in BYTE_OF_CHAR for ch in piece):  # a byte-level BPE piece
+            return bytes(BYTE_OF_CHAR[ch] for ch in piece)
+        return self.decode([token_id]).encode()  # a SentencePiece word piece ("▁the"), or a special token
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if self._rust_decode is not None:

@@ -322,8 +322,10 @@ class ChatShape(ResponseShape):
                             | {"top_logprobs": [self.entry(i, lp) for i, lp in t.top]} for t in tokens]}
 
     def entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        # `token` is the text (U+FFFD for part of a multi-byte character); `bytes` the token's own raw bytes, which
+        # a client joins to rebuild such a character.
+        return {"token": self.token_text(token_id), "logprob": logprob,
+                "bytes": list(self.tokenizer.token_bytes(token_id))}
 
 
 def usage(prompts: list[list[int]], completion_tokens: int) -> dict[str, int]:

@@ -130,9 +130,10 @@ def test_chat_logprobs_through_the_sdk(served: tuple[Served, str], client: OpenA
     expected = engine_records(served, served[0].engine.tokenizer.apply_chat_template(messages), 3)
     decode = served[0].engine.tokenizer.decode
     assert [t.token for t in content] == [decode([r.token_id]) for r in expected]
+    token_bytes = served[0].engine.tokenizer.token_bytes
     for got, want in zip(content, expected, strict=True):
         assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
-        assert got.bytes == list(got.token.encode())
+        assert got.bytes == list(token_bytes(want.token_id)), f"token {want.token_id}: bytes {got.bytes}"
         assert [t.token for t in got.top_logprobs] == [decode([i]) for i, _ in want.top]
         assert [t.logprob for t in got.top_logprobs] == pytest.approx([lp for _, lp in want.top], abs=1e-4)
 

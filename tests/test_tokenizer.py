@@ -93,3 +93,14 @@ def test_rust_decode_equals_transformers_decode(tokenizer: Tokenizer, text: str)
     ids = tokenizer.apply_chat_template(text) + tokenizer.encode(text)
     for end in range(1, len(ids) + 1):
         assert tokenizer.decode(ids[:end]) == tokenizer.hf.decode(ids[:end], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("text", [MULTIBYTE, MIXED])
+def test_token_bytes_rebuild_the_text(tokenizer: Tokenizer, text: str) -> None:
+    """Each token's own bytes, joined, are the text's UTF-8, also where a token holds part of a character (which
+    decodes alone to U+FFFD): what a logprobs entry's `bytes` gives a client."""
+    ids = tokenizer.encode(text)
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode(), f"{pieces} against {text.encode()}"
+    split = [i for i in ids if tokenizer.decode([i]) == REPLACEMENT_CHAR]
+    assert split, "the text should hold a character split across tokens"
