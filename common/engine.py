@@ -178,7 +178,8 @@ class Engine(ABC):
         asks for log-probabilities gets its token's `TokenLogprob` on its record, for `append_token` to hand out."""
         token_ids, logprobs = self.sampler.sample(
             logits, [r.params for r in requests], [len(r.output_token_ids) for r in requests],
-            [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests])
+            [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+            [r.logit_state for r in requests])
         for request, logprob in zip(requests, logprobs, strict=True):
             if logprob is not None:
                 request.output_logprobs.append(logprob)

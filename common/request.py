@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from common.sampling import SamplingParams, TokenLogprob
+from common.sampling import LogitState, SamplingParams, TokenLogprob
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -76,6 +76,8 @@ class Request:
     # One per output token where `params.logprobs` is set. The sampler's record of a token lands here as the token is
     # drawn (`Engine.sample`), just before `append_token` appends the token itself.
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Its penalties' and bias's device rows, kept between steps where it uses any (see `LogitState`).
+    logit_state: LogitState = field(default_factory=LogitState)
     _emitted_chars: int = 0  # how much of `text` has been handed out
 
     @classmethod
