@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from common.loading import EMBEDDED_MODEL, LoadedModel, load_model
+from common.prompt_logprobs import prompt_logprobs
 from common.request import Completion, Request, RequestOutput
 from common.sampling import Sampler, SamplingParams
 
@@ -186,9 +187,13 @@ class Engine(ABC):
         return token_ids.tolist()
 
     def process_tokens(self, requests: Sequence[Request], token_ids: Sequence[int]) -> list[RequestOutput]:
-        """Append each sampled token; retire the requests that finished."""
+        """Append each sampled token; retire the requests that finished. A request that asks for its prompt's
+        log-probabilities has its prompt scored first, with its first token (see `common.prompt_logprobs`)."""
         outputs = []
         for request, token_id in zip(requests, token_ids, strict=True):
+            if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
+                request.prompt_logprobs = prompt_logprobs(self.model, request.prompt_token_ids,
+                                                          request.params.prompt_logprobs)
             out = request.append_token(token_id)
             if out.finished:
                 self.finish(request)

@@ -41,6 +41,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     # None: no log-probabilities; 0: the chosen token's; n: also the n most likely tokens' (see `TokenLogprob`).
     logprobs: int | None = None
+    # None: none; n: each prompt token's log-probability given those before it, with the n most likely tokens
+    # there (see `common.prompt_logprobs`).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +72,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         if self.seed is None:
             self.seed = _seed_source.randrange(2**31)
 
