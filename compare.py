@@ -13,10 +13,11 @@ drawn by common/plots/throughput.py; skipped if matplotlib is not installed).
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_names, parse_sizes
 from common.config import EMBEDDED_MODEL
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-static-max-batch", type=at_least(0), default=0, metavar="N",
                    help="also run HF generate() with a static cache (torch.compile'd on CUDA) up to batch N; "
                         "each new batch size compiles again, for a minute or so")
+    p.add_argument("--sampling", type=sampling_fields, default={}, metavar="JSON",
+                   help='SamplingParams fields every request also sets, as a JSON object, e.g. '
+                        '\'{"presence_penalty": 0.5, "logprobs": 5}\' (what clients send costs what it costs)')
     p.add_argument("--max-batch", action="append", default=[], metavar="STEP=N",
                    help="skip STEP above batch N (step01 is serial: its tok/s does not change with batch, "
                         "only its run time grows); repeatable")
@@ -64,15 +68,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def measure_step(name: str, engine: Engine, workloads: list[Workload], repeats: int) -> list[RunMetrics]:
+def sampling_fields(text: str) -> dict[str, Any]:
+    """--sampling: a JSON object of SamplingParams fields, each checked by SamplingParams itself."""
+    from common.sampling import SamplingParams
+
+    try:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise ValueError("give a JSON object")
+        SamplingParams(**fields)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
+    return fields
+
+
+def measure_step(name: str, engine: Engine, workloads: list[Workload], repeats: int,
+                 sampling: dict[str, Any]) -> list[RunMetrics]:
     """One step's engine on each workload, after a short warm-up on the same shapes."""
     from common.bench import Workload, median_of, run_engine
 
     runs = []
     for workload in workloads:
         started = time.perf_counter()
-        run_engine(engine, Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens]), name)
-        runs.append(median_of(lambda: run_engine(engine, workload, name), repeats))  # noqa: B023 - called at once
+        run_engine(engine, Workload("warmup", workload.prompts, [min(n, 8) for n in workload.output_lens]), name,
+                   sampling)
+        runs.append(median_of(lambda: run_engine(engine, workload, name, sampling), repeats))  # noqa: B023
         print(f"[compare] {workload.name} {name}: {runs[-1].output_tok_per_s:.1f} tok/s "
               f"({time.perf_counter() - started:.0f} s)", flush=True)
     return runs
@@ -85,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps = parse_names("--steps", args.steps, STEP_NAMES)
         batch_sizes = parse_sizes("--batch-sizes", args.batch_sizes)
         max_batch = parse_max_batch(args.max_batch)
+        if args.sampling and not args.no_hf:
+            raise CommandLineError("--sampling sets the engines' requests only, not HF generate()'s: add --no-hf")
     except CommandLineError as err:
         return fail(err)
     # Only now, with the command line accepted, do torch, transformers and the engines load.
@@ -120,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Taken before the runs: the commit and dirty flag describe the code that is about to run.
     header = evidence_header(device, args.model, loaded.model.dtype, steps=steps, block_size=args.block_size,
                              num_blocks=blocks, attn=args.attn, repeats=args.repeats, max_batch=max_batch,
-                             hf_static_max_batch=args.hf_static_max_batch,
+                             hf_static_max_batch=args.hf_static_max_batch, sampling=args.sampling,
                              torch_threads=torch.get_num_threads())
     output = args.output or default_output("compare", device.type, args.model)
     runs = []
@@ -130,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for workload in (w for w in workloads if w not in fits):
             print(f"[compare] {workload.name} {name}: skipped (--max-batch {name}={max_batch[name]})")
         engine = build_engine(name, loaded, base, blocks, args.attn, max(len(w.prompts) for w in workloads))
-        runs += measure_step(name, engine, fits, args.repeats)
+        runs += measure_step(name, engine, fits, args.repeats, args.sampling)
         del engine
         release_memory(device)
         write_evidence(output, header, runs, workloads)  # after every step: a cut-short run keeps its figures

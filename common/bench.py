@@ -135,14 +135,15 @@ def _metrics(
     )
 
 
-def run_engine(engine: Engine, workload: Workload, system: str) -> RunMetrics:
-    """Submit every request at once and step until all finish, timing each request's first and last token."""
+def run_engine(engine: Engine, workload: Workload, system: str, sampling: dict[str, Any] | None = None) -> RunMetrics:
+    """Submit every request at once and step until all finish, timing each request's first and last token.
+    `sampling`: further SamplingParams fields every request sets (penalties, logprobs, ...)."""
     device = engine.device
     _reset_peak(device)
     _sync(device)
     start = time.perf_counter()
     ids = [
-        engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
+        engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, **(sampling or {})))
         for p, n in zip(workload.prompts, workload.output_lens)
     ]
     first: dict[str, float] = {}
