@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from common.loading import EMBEDDED_MODEL, LoadedModel, load_model
+from common.prompt_logprobs import prompt_logprobs
 from common.request import Completion, Request, RequestOutput
 from common.sampling import Sampler, SamplingParams
 
@@ -178,16 +179,21 @@ class Engine(ABC):
         asks for log-probabilities gets its token's `TokenLogprob` on its record, for `append_token` to hand out."""
         token_ids, logprobs = self.sampler.sample(
             logits, [r.params for r in requests], [len(r.output_token_ids) for r in requests],
-            [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests])
+            [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+            [r.logit_state for r in requests])
         for request, logprob in zip(requests, logprobs, strict=True):
             if logprob is not None:
                 request.output_logprobs.append(logprob)
         return token_ids.tolist()
 
     def process_tokens(self, requests: Sequence[Request], token_ids: Sequence[int]) -> list[RequestOutput]:
-        """Append each sampled token; retire the requests that finished."""
+        """Append each sampled token; retire the requests that finished. A request that asks for its prompt's
+        log-probabilities has its prompt scored first, with its first token (see `common.prompt_logprobs`)."""
         outputs = []
         for request, token_id in zip(requests, token_ids, strict=True):
+            if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
+                request.prompt_logprobs = prompt_logprobs(self.model, request.prompt_token_ids,
+                                                          request.params.prompt_logprobs)
             out = request.append_token(token_id)
             if out.finished:
                 self.finish(request)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from common.sampling import SamplingParams, TokenLogprob
+from common.sampling import LogitState, SamplingParams, TokenLogprob
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -42,6 +42,9 @@ class RequestOutput:
     # stream), handed back with each one, so that no caller keeps a map of request ids.
     listener: Any = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the new tokens, where the request asks
+    # On a request's first output, where it asks (`SamplingParams.prompt_logprobs`): one per prompt token, the first
+    # None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -76,6 +79,9 @@ class Request:
     # One per output token where `params.logprobs` is set. The sampler's record of a token lands here as the token is
     # drawn (`Engine.sample`), just before `append_token` appends the token itself.
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Its penalties' and bias's device rows, kept between steps where it uses any (see `LogitState`).
+    logit_state: LogitState = field(default_factory=LogitState)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # scored before its first token is appended
     _emitted_chars: int = 0  # how much of `text` has been handed out
 
     @classmethod
@@ -139,8 +145,9 @@ class Request:
             self.status = RequestStatus.FINISHED
         # This token's record, if the sampler left one (the slice is empty where the request asks for none).
         logprobs = self.output_logprobs[len(self.output_token_ids) - 1 : len(self.output_token_ids)]
+        first = len(self.output_token_ids) == 1
         return RequestOutput(self.request_id, [token_id], self._take_new_text(), self.finished, self.finish_reason,
-                             self.listener, logprobs)
+                             self.listener, logprobs, self.prompt_logprobs if first else None)
 
     def abort(self) -> RequestOutput:
         self.status = RequestStatus.FINISHED

@@ -41,6 +41,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     # None: no log-probabilities; 0: the chosen token's; n: also the n most likely tokens' (see `TokenLogprob`).
     logprobs: int | None = None
+    # None: none; n: each prompt token's log-probability given those before it, with the n most likely tokens
+    # there (see `common.prompt_logprobs`).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +72,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (isinstance(self.prompt_logprobs, int)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         if self.seed is None:
             self.seed = _seed_source.randrange(2**31)
 
@@ -195,52 +202,88 @@ def top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
 
 
+class LogitState:
+    """One request's penalty and bias inputs as device rows, kept from step to step: its prompt is marked once, and
+    each step adds only the tokens drawn since the last (`counted`), so a step's cost does not grow with the text.
+    Empty (no tensors) until the request's first step that uses a control."""
+
+    def __init__(self) -> None:
+        self.counts: torch.Tensor | None = None  # [vocab] float32: how often each token was generated
+        self.seen: torch.Tensor | None = None  # [vocab] bool: in the prompt or the output
+        self.bias: torch.Tensor | None = None  # [vocab] float32, where the request sets a logit_bias
+        self.counted = 0  # output tokens already in `counts`
+
+
 @dataclass
 class LogitControls:
-    """The penalties and biases of a batch, as device tensors; neutral values on rows that use none."""
+    """The penalties and biases of a batch, as device tensors; neutral values on rows that use none. A kind of
+    control that no row uses is None, and costs nothing."""
 
-    presence: torch.Tensor  # [rows, 1]
-    frequency: torch.Tensor  # [rows, 1]
-    repetition: torch.Tensor  # [rows, 1]
-    output_counts: torch.Tensor  # [rows, vocab] float32: how often each token was generated
-    seen: torch.Tensor  # [rows, vocab] bool: in the prompt or the output
-    bias: torch.Tensor  # [rows, vocab] float32
+    presence: torch.Tensor | None  # [rows, 1]
+    frequency: torch.Tensor | None  # [rows, 1]
+    repetition: torch.Tensor | None  # [rows, 1]
+    output_counts: torch.Tensor  # [rows, vocab] float32
+    seen: torch.Tensor  # [rows, vocab] bool
+    bias: torch.Tensor | None  # [rows, vocab] float32
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
-              outputs: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> LogitControls:
-        """One transfer of the token ids of the rows that use a control, counted by one scatter on the device."""
-        used = [i for i, p in enumerate(params) if p.adjusts_logits]
+              outputs: Sequence[Sequence[int]], vocab_size: int, device: torch.device,
+              states: Sequence[LogitState] | None = None) -> LogitControls:
+        """The batch's controls from each row's `LogitState` (fresh ones where none are given), brought up to date
+        with the tokens drawn since its last step: one transfer of those token ids (and of the prompts of rows new
+        to the controls), counted by one scatter on the device. Each state then keeps its row of the result."""
         rows = len(params)
+        states = list(states) if states is not None else [LogitState() for _ in range(rows)]
+        used = [i for i, p in enumerate(params) if p.adjusts_logits]
+        uses = set(used)
+        zero_counts = torch.zeros(vocab_size, device=device)
+        unseen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        counts = torch.stack([states[i].counts if i in uses and states[i].counts is not None else zero_counts
+                              for i in range(rows)])
+        seen = torch.stack([states[i].seen if i in uses and states[i].seen is not None else unseen
+                            for i in range(rows)])
+        new_prompts = [i for i in used if states[i].counts is None]
+        # (row, token) of every output token not yet counted, and of the prompts of rows new to the controls.
+        drawn = [(i, t) for i in used for t in outputs[i][states[i].counted:]]
+        prompt_pairs = [(i, t) for i in new_prompts for t in prompts[i]]
+        pairs = torch.tensor(drawn + prompt_pairs, dtype=torch.int64).reshape(-1, 2).to(device)
+        counts.index_put_((pairs[: len(drawn), 0], pairs[: len(drawn), 1]), torch.ones((), device=device),
+                          accumulate=True)
+        seen.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones((), dtype=torch.bool, device=device))
+        for i in new_prompts:
+            if params[i].logit_bias:  # built once per request: its bias never changes
+                bias_row = torch.zeros(vocab_size)
+                bias_row[list(params[i].logit_bias)] = torch.tensor(list(params[i].logit_bias.values()))
+                states[i].bias = bias_row.to(device)
+        for i in used:
+            states[i].counts, states[i].seen, states[i].counted = counts[i], seen[i], len(outputs[i])
+        biased = {i for i in used if states[i].bias is not None}
+        bias = (torch.stack([states[i].bias if i in biased else zero_counts for i in range(rows)])
+                if biased else None)
 
-        def row_and_token(lists: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-            pairs = [(i, t) for i in used for t in lists[i]]
-            both = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).to(device)
-            return both[:, 0], both[:, 1]
-
-        counts = torch.zeros(rows, vocab_size, device=device)
-        counts.index_put_(row_and_token(outputs), torch.ones((), device=device), accumulate=True)
-        seen = counts > 0
-        seen.index_put_(row_and_token(prompts), torch.ones((), dtype=torch.bool, device=device))
-        bias = torch.zeros(rows, vocab_size, device=device)
-        biased = [(i, t, b) for i in used for t, b in params[i].logit_bias.items()]
-        if biased:
-            where = torch.tensor([(i, t) for i, t, _ in biased], dtype=torch.int64, device=device)
-            bias[where[:, 0], where[:, 1]] = torch.tensor([b for *_, b in biased], device=device)
-        def column(values: list[float]) -> torch.Tensor:
+        def column(values: list[float], neutral: float) -> torch.Tensor | None:
+            if all(v == neutral for v in values):
+                return None
             return torch.tensor(values, device=device, dtype=torch.float32)[:, None]
 
-        return cls(presence=column([p.presence_penalty for p in params]),
-                   frequency=column([p.frequency_penalty for p in params]),
-                   repetition=column([p.repetition_penalty for p in params]),
+        return cls(presence=column([p.presence_penalty for p in params], 0.0),
+                   frequency=column([p.frequency_penalty for p in params], 0.0),
+                   repetition=column([p.repetition_penalty for p in params], 1.0),
                    output_counts=counts, seen=seen, bias=bias)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The bias, then the repetition penalty, then frequency and presence (vLLM's order)."""
-        logits = logits + self.bias
-        penalized = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
-        logits = torch.where(self.seen, penalized, logits)
-        return logits - self.output_counts * self.frequency - (self.output_counts > 0) * self.presence
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.repetition is not None:
+            penalized = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+            logits = torch.where(self.seen, penalized, logits)
+        if self.frequency is not None:
+            logits = logits - self.output_counts * self.frequency
+        if self.presence is not None:
+            logits = logits - (self.output_counts > 0) * self.presence
+        return logits
 
 
 class Sampler:
@@ -257,11 +300,14 @@ class Sampler:
     def sample(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], output_positions: Sequence[int],
         prompts: Sequence[Sequence[int]] = (), outputs: Sequence[Sequence[int]] = (),
+        states: Sequence[LogitState] | None = None,
     ) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
         """`__call__`'s token ids, and for each row that asks (`SamplingParams.logprobs`) its `TokenLogprob`:
-        None for the others."""
+        None for the others. `states`: each row's `LogitState`, kept by the caller between steps (without them,
+        the controls are counted afresh from `prompts` and `outputs`)."""
         if any(p.adjusts_logits for p in params):  # a host-side check: a batch with no control pays nothing
-            logits = LogitControls.build(params, prompts, outputs, logits.shape[-1], logits.device).apply(logits)
+            controls = LogitControls.build(params, prompts, outputs, logits.shape[-1], logits.device, states)
+            logits = controls.apply(logits)
         if all(p.greedy for p in params):
             token_ids = logits.argmax(dim=-1)
         else:

@@ -21,7 +21,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from common.request import RequestOutput
+from common.request import FinishReason, RequestOutput
 from common.sampling import TokenLogprob
 from common.tokenizer import Tokenizer
 from step08_serve.async_engine import AsyncEngine, EngineDeadError
@@ -96,7 +96,10 @@ class OpenAIServer:
         body = await self.parse(request, CompletionRequest)
         prompts = [self.checked_prompt(self.engine.tokenizer.encode(p) if isinstance(p, str) else p, "prompt")
                    for p in body.prompts()]
-        return await self.respond(request, body, prompts, CompletionShape(self.served_model, self.engine.tokenizer))
+        echoed = [(p if isinstance(p, str) else self.engine.tokenizer.decode(p), ids)
+                  for p, ids in zip(body.prompts(), prompts, strict=True)] if body.echo else None
+        shape = CompletionShape(self.served_model, self.engine.tokenizer, body.n, echoed, body.max_tokens != 0)
+        return await self.respond(request, body, prompts, shape)
 
     async def models(self) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -194,7 +197,8 @@ class OpenAIServer:
         choices = await unless_disconnected(request, collect(streams))
         if choices is None:  # the client left; its engine requests are already aborted
             return Response(status_code=499)
-        return JSONResponse(shape.response(choices, usage(prompts, sum(len(c.token_ids) for c in choices))))
+        generated = sum(len(c.token_ids) for c in choices) if shape.generates else 0
+        return JSONResponse(shape.response(choices, usage(prompts, generated)))
 
     async def stream_response(self, request: Request, body: GenerationFields, prompts: list[list[int]],
                               streams: Streams, shape: ResponseShape) -> Response:
@@ -225,6 +229,7 @@ class ChoiceResult:
     token_ids: list[int]
     finish_reason: str
     logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # where the request asked (echo with logprobs)
 
 
 class ResponseShape(ABC):
@@ -234,6 +239,7 @@ class ResponseShape(ABC):
     id_prefix: str
     object: str  # of a whole response
     chunk_object: str  # of each streamed chunk
+    generates = True  # False: the client asked for no new token (echo, max_tokens 0), and the engine's one is dropped
 
     def __init__(self, served_model: str, tokenizer: Tokenizer) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -247,9 +253,10 @@ class ResponseShape(ABC):
     def head(self, object_type: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_type, "created": self.created, "model": self.model}
 
-    def chunk(self, index: int, text: str, first: bool, finish_reason: str | None,
-              logprobs: list[TokenLogprob]) -> dict[str, Any]:
-        choice = self.chunk_choice(index, text, first, finish_reason) | {"logprobs": self.logprobs(index, logprobs)}
+    def chunk(self, index: int, out: RequestOutput, first: bool) -> dict[str, Any]:
+        """The streamed chunk of one output of choice `index` (`first`: the choice's first)."""
+        reason = out.finish_reason.value if out.finished and out.finish_reason else None
+        choice = self.chunk_choice(index, out.new_text, first, reason) | {"logprobs": self.logprobs(index, out.logprobs)}
         return self.head(self.chunk_object) | {"choices": [choice]}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -273,13 +280,56 @@ class ResponseShape(ABC):
 
 
 class CompletionShape(ResponseShape):
+    """Completions, and their `echo`: each choice's text and log-probabilities begin with its prompt's."""
+
     id_prefix = "cmpl"
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def __init__(self, served_model: str, tokenizer: Tokenizer) -> None:
+    def __init__(self, served_model: str, tokenizer: Tokenizer, n: int = 1,
+                 echoed: list[tuple[str, list[int]]] | None = None, generates: bool = True) -> None:
         super().__init__(served_model, tokenizer)
-        self.text_offsets: dict[int, int] = {}  # each choice's text length so far, for the next token's offset
+        self.n = n  # choices per prompt: choice i answers prompt i // n
+        self.echoed = echoed  # each prompt's text and token ids, for `echo`; None: no echo
+        self.generates = generates
+        # Each choice's text length so far, for the next token's offset: an echoed prompt comes first.
+        self.text_offsets = {i: len(echoed[i // n][0]) for i in range(len(echoed) * n)} if echoed else {}
+
+    def chunk(self, index: int, out: RequestOutput, first: bool) -> dict[str, Any]:
+        if not self.generates:  # the one token the engine drew is not the client's
+            out = replace(out, new_token_ids=[], new_text="", logprobs=[],
+                          finish_reason=FinishReason.LENGTH if out.finished else None)
+        chunk = super().chunk(index, out, first)
+        if first and self.echoed is not None:
+            choice = chunk["choices"][0]
+            choice["text"] = self.echoed[index // self.n][0] + choice["text"]
+            choice["logprobs"] = self.with_prompt(index, out.prompt_logprobs, choice["logprobs"])
+        return chunk
+
+    def response(self, choices: list[ChoiceResult], usage: dict[str, int]) -> dict[str, Any]:
+        if not self.generates:
+            choices = [replace(c, text="", token_ids=[], logprobs=[], finish_reason=FinishReason.LENGTH.value)
+                       for c in choices]
+        body = super().response(choices, usage)
+        if self.echoed is not None:
+            for choice, c in zip(body["choices"], choices, strict=True):
+                choice["text"] = self.echoed[c.index // self.n][0] + choice["text"]
+                choice["logprobs"] = self.with_prompt(c.index, c.prompt_logprobs, choice["logprobs"])
+        return body
+
+    def with_prompt(self, index: int, prompt: list[TokenLogprob | None] | None,
+                    generated: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The legacy `logprobs` of the echoed prompt (its first token has none: null), then the generated ones'."""
+        if prompt is None:  # echo without logprobs
+            return generated
+        _, prompt_ids = self.echoed[index // self.n]
+        texts = [self.token_text(t) for t in prompt_ids]
+        entries = [t for t in prompt if t is not None]
+        echoed = {"tokens": texts, "token_logprobs": [None] + [t.logprob for t in entries],
+                  "top_logprobs": [None] + [{self.token_text(i): lp for i, lp in t.top} | {text: t.logprob}
+                                            for t, text in zip(entries, texts[1:], strict=True)],
+                  "text_offset": list(itertools.accumulate(map(len, texts[:-1]), initial=0))}
+        return echoed if generated is None else {key: echoed[key] + generated[key] for key in echoed}
 
     def chunk_choice(self, index: int, text: str, first: bool, finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "text": text, "finish_reason": finish_reason}
@@ -373,14 +423,18 @@ async def collect(streams: Streams) -> list[ChoiceResult]:
     texts: dict[int, list[str]] = {i: [] for i, _ in streams}
     ids: dict[int, list[int]] = {i: [] for i, _ in streams}
     logprobs: dict[int, list[TokenLogprob]] = {i: [] for i, _ in streams}
+    prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
     reasons: dict[int, str] = {}
     async for index, out in merged(streams):
         texts[index].append(out.new_text)
         ids[index] += out.new_token_ids
         logprobs[index] += out.logprobs
+        if out.prompt_logprobs is not None:
+            prompt_logprobs[index] = out.prompt_logprobs
         if out.finished and out.finish_reason is not None:
             reasons[index] = out.finish_reason.value
-    return [ChoiceResult(i, "".join(texts[i]), ids[i], reasons[i], logprobs[i]) for i, _ in streams]
+    return [ChoiceResult(i, "".join(texts[i]), ids[i], reasons[i], logprobs[i], prompt_logprobs.get(i))
+            for i, _ in streams]
 
 
 async def unless_disconnected(request: Request, awaitable: Awaitable[Any]) -> Any:
@@ -412,12 +466,11 @@ async def stream_events(shape: ResponseShape, prompts: list[list[int]], first: t
     started: set[int] = set()
     try:
         async for index, out in prepended(first, outputs):
-            completion_tokens += len(out.new_token_ids)
+            completion_tokens += len(out.new_token_ids) if shape.generates else 0
             first_of_choice = index not in started
             started.add(index)
-            reason = out.finish_reason.value if out.finished and out.finish_reason else None
-            if first_of_choice or out.new_text or reason or out.logprobs:
-                yield sse(shape.chunk(index, out.new_text, first_of_choice, reason, out.logprobs))
+            if first_of_choice or out.new_text or out.finished or out.logprobs:
+                yield sse(shape.chunk(index, out, first_of_choice))
         if include_usage:
             yield sse(shape.usage_chunk(usage(prompts, completion_tokens)))
     except (EngineDeadError, ValueError) as err:  # after the stream began: an error event, not an HTTP status

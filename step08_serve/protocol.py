@@ -131,10 +131,15 @@ class GenerationFields(BaseModel):
             min_p=self.min_p,
             logit_bias=self.token_biases(vocab_size),
             logprobs=self.logprobs_count(),
+            prompt_logprobs=self.prompt_logprobs_count(),
         )
 
     def logprobs_count(self) -> int | None:
         """How many alternatives each token's log-probability comes with; None: no log-probabilities."""
+        return None
+
+    def prompt_logprobs_count(self) -> int | None:
+        """The same for each prompt token (completions' `echo`); None: the prompt is not scored."""
         return None
 
     @property
@@ -164,15 +169,17 @@ class ChatCompletionRequest(GenerationFields):
 
 class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 only with `echo`: the prompt alone comes back, scored if `logprobs` is set (evaluation harnesses ask so).
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
 
     def check_supported(self, vocab_size: int) -> None:
         super().check_supported(vocab_size)
-        if self.echo:  # with logprobs too: the prompt's log-probabilities are not computed
-            raise RequestError("echo is not supported by this server", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens must be at least 1 (0 is allowed only with echo: the prompt alone comes "
+                               "back)", "max_tokens")
         if self.suffix:
             raise RequestError("suffix is not supported by this server", "suffix")
 
@@ -190,7 +197,11 @@ class CompletionRequest(GenerationFields):
         return [list(x) for x in p]  # type: ignore[union-attr]
 
     def token_budget(self) -> int | None:
-        return self.max_tokens
+        # The engine draws at least one token: with max_tokens 0 the server drops it (`CompletionShape`).
+        return 1 if self.max_tokens == 0 else self.max_tokens
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        return self.logprobs if self.echo else None

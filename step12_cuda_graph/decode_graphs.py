@@ -37,6 +37,11 @@ from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend, AttentionMetadata
 from step06_paged_attention.engine import PagedAttentionForward
 
+# What a graph leaves behind: each row's greedy token; a token drawn by the sampler's tensors (`sample_rows`); or
+# the logits themselves, for the sampler to pick from outside the graph where a row needs more than the logits
+# (penalties and a bias count its tokens so far; log-probabilities go back to the host with the token).
+GREEDY, SAMPLED, LOGITS = "greedy", "sampled", "logits"
+
 # Padded rows in a sampling batch: greedy, so they never touch the noise; a fixed seed keeps them cheap.
 PAD_PARAMS = SamplingParams(seed=0)
 
@@ -47,8 +52,9 @@ SHORT_CONTEXT = 256
 
 # Graph memory per (padded row x vocabulary entry): the sampling graph keeps several [rows, vocab] temporaries
 # (float32 logits, scaled logits, noise, sort values; int64 hashes and sort indices). Measured on the H200 at
-# start-up: 60 to 140 bytes for the bundled models; this estimate is what the default KV budget sets aside.
-GRAPH_BYTES_PER_LOGIT = 160
+# start-up: 60 to 140 bytes for the bundled models (before the static logits of the LOGITS graphs, 4 bytes each
+# for the decode graphs and as many for the mixed ones); this estimate is what the default KV budget sets aside.
+GRAPH_BYTES_PER_LOGIT = 168
 
 
 def graph_buckets(max_batch: int) -> list[int]:
@@ -213,9 +219,10 @@ class DecodeGraphs:
         vocab = self.model.config.vocab_size
         self.sampling = SamplingTensors.build([PAD_PARAMS] * self.max_batch, [0] * self.max_batch, vocab, self.device)
         self.tokens = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
+        self.logits = torch.zeros(self.max_batch, vocab, device=self.device)
         # The longest sequence each bucket's graphs are captured for, shortest first.
         self.frozen_lens = {bucket: self.lengths_to_capture(bucket) for bucket in self.buckets}
-        self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, str, int], torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         if capture:
@@ -225,8 +232,9 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= batch)
 
     @torch.inference_mode()
-    def forward(self, bucket: int, sampled: bool, max_seq_len: int) -> None:
-        """What one graph holds: read the static inputs of `bucket` rows, write their next tokens to `tokens`."""
+    def forward(self, bucket: int, output: str, max_seq_len: int) -> None:
+        """What one graph holds: read the static inputs of `bucket` rows, write their next tokens to `tokens` (or,
+        for `output` LOGITS, their logits to `logits`)."""
         s = self.inputs
         meta = AttentionMetadata(
             is_prefill=False, slot_mapping=s.slot_mapping[:bucket], block_table=s.block_table[:bucket],
@@ -236,10 +244,12 @@ class DecodeGraphs:
         )
         positions = s.positions[:bucket]
         hidden = self.model(s.token_inputs(bucket, self.tokens), self.context(meta, positions))
-        if sampled:
+        if output == SAMPLED:
             logits = self.model.compute_logits(hidden)
             rows = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:bucket] for f in fields(SamplingTensors)})
             self.tokens[:bucket] = sample_rows(logits, rows)
+        elif output == LOGITS:
+            self.logits[:bucket] = self.model.compute_logits(hidden)
         else:
             self.tokens[:bucket] = self.greedy_tokens(hidden)
 
@@ -257,9 +267,9 @@ class DecodeGraphs:
         for bucket in reversed(self.buckets):
             # Every row on the dummy block: the capture writes nothing a request reads.
             self.inputs.fill(DecodeBatch([], [], [], [], []), bucket)
-            for sampled, frozen_len in itertools.product((False, True), self.frozen_lens[bucket]):
-                self.graphs[bucket, sampled, frozen_len] = recorder.record(
-                    lambda: self.forward(bucket, sampled, frozen_len))  # noqa: B023 - called at once
+            for output, frozen_len in itertools.product((GREEDY, SAMPLED, LOGITS), self.frozen_lens[bucket]):
+                self.graphs[bucket, output, frozen_len] = recorder.record(
+                    lambda: self.forward(bucket, output, frozen_len))  # noqa: B023 - called at once
         self.capture_seconds, self.capture_bytes = recorder.finish()
 
     def launch(self, batch: DecodeBatch) -> PendingTokens:
@@ -268,8 +278,8 @@ class DecodeGraphs:
         n = len(batch)
         bucket = self.bucket_for(n)
         self.inputs.fill(batch, bucket)
-        sampled = not all(p.greedy for p in batch.params)
-        if sampled:
+        output = GREEDY if all(p.greedy for p in batch.params) else SAMPLED
+        if output == SAMPLED:
             padded_params = [*batch.params, *[PAD_PARAMS] * (bucket - n)]
             positions = [*batch.output_positions, *[0] * (bucket - n)]
             # Built on the host and copied into the static buffers: one small transfer per field, from pinned
@@ -279,13 +289,23 @@ class DecodeGraphs:
             for f in fields(SamplingTensors):
                 field = getattr(rows, f.name)
                 getattr(self.sampling, f.name)[:bucket].copy_(field.pin_memory() if pinned else field, non_blocking=pinned)
-        longest = max(batch.seq_lens)
-        graph = self.graph_for(bucket, sampled, longest)
+        self.replay(bucket, output, max(batch.seq_lens))
+        return PendingTokens(self.tokens[:n])
+
+    def logits_for(self, batch: DecodeBatch) -> torch.Tensor:
+        """Replay the bucket's LOGITS graph for the batch: its logits [len(batch), vocab], for the sampler."""
+        bucket = self.bucket_for(len(batch))
+        self.inputs.fill(batch, bucket)
+        self.replay(bucket, LOGITS, max(batch.seq_lens))
+        return self.logits[: len(batch)]
+
+    def replay(self, bucket: int, output: str, longest: int) -> None:
+        """Replay the graph for this bucket, output and longest sequence (or run the same forward eagerly)."""
+        graph = self.graph_for(bucket, output, longest)
         if graph is not None:
             graph.replay()
         else:
-            self.forward(bucket, sampled, longest)
-        return PendingTokens(self.tokens[:n])
+            self.forward(bucket, output, longest)
 
     def lengths_to_capture(self, bucket: int) -> list[int]:
         """The longest context allowed, and before it SHORT_CONTEXT where the backend would split a batch of
@@ -301,14 +321,14 @@ class DecodeGraphs:
         """The shortest length the bucket's graphs are captured for that holds a sequence of `longest`."""
         return next((n for n in self.frozen_lens[bucket] if n >= longest), self.max_model_len)
 
-    def graph_for(self, bucket: int, sampled: bool, longest: int) -> torch.cuda.CUDAGraph | None:
+    def graph_for(self, bucket: int, output: str, longest: int) -> torch.cuda.CUDAGraph | None:
         """The bucket's graph for a batch whose longest sequence is `longest` (None: none captured)."""
-        return self.graphs.get((bucket, sampled, self.frozen_len_for(bucket, longest)))
+        return self.graphs.get((bucket, output, self.frozen_len_for(bucket, longest)))
 
     def describe(self) -> str:
         if not self.graphs:
             return f"decode on static buffers, eager (buckets {self.buckets})"
         short = [bucket for bucket, lens in self.frozen_lens.items() if len(lens) > 1]
         short_too = f", buckets {short} also for contexts up to {SHORT_CONTEXT} tokens" if short else ""
-        return (f"{len(self.graphs)} CUDA graphs (buckets {self.buckets}{short_too}, greedy and sampling) "
+        return (f"{len(self.graphs)} CUDA graphs (buckets {self.buckets}{short_too}, greedy, sampling and logits) "
                 f"captured in {self.capture_seconds:.1f} s, {self.capture_bytes / 2**20:.0f} MiB of graph memory")

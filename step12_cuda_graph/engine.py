@@ -26,8 +26,8 @@ from step09_chunked_prefill.engine import Chunk
 from step11_speculative_decoding import verify as verification
 from step11_speculative_decoding.engine import (SpeculativeChunk, SpeculativeEngine, SpeculativeEngineConfig,
                                                 SpeculativeRequest)
-from step12_cuda_graph.decode_graphs import (GRAPH_BYTES_PER_LOGIT, DecodeBatch, DecodeGraphs, PendingTokens,
-                                             StaticDecodeInputs)
+from step12_cuda_graph.decode_graphs import (GRAPH_BYTES_PER_LOGIT, GREEDY, LOGITS, DecodeBatch, DecodeGraphs,
+                                             PendingTokens, StaticDecodeInputs)
 from step12_cuda_graph.mixed_graphs import MixedChunk, MixedStepGraphs, TileListTritonBackend
 from step12_cuda_graph.verify_graphs import VERIFY_BYTES_PER_LOGIT, VERIFY_MAX_TOKENS, VerifyStepGraphs
 
@@ -127,32 +127,42 @@ class CudaGraphEngine(SpeculativeEngine):
 
     @torch.inference_mode()
     def decode(self, requests: list[SpeculativeRequest]) -> list[RequestOutput]:
-        if self.graphs is None or len(requests) > self.graphs.max_batch or self.needs_logits(requests):
+        if self.graphs is None or len(requests) > self.graphs.max_batch:
             return super().decode(requests)
+        if self.needs_logits(requests):
+            # The graph computes the logits; the sampler picks from them, outside the graph.
+            return self.process_tokens(requests, self.sample(self.graphs.logits_for(self.decode_batch(requests)),
+                                                             requests))
         return self.process_tokens(requests, self.launch(requests).wait())
 
     @staticmethod
     def needs_logits(requests: list[SpeculativeRequest]) -> bool:
-        """Whether a request uses a penalty or a bias, or asks for log-probabilities: the graphs sample in the
-        graph, from the logits alone, so such a batch runs eagerly and the sampler serves them."""
+        """Whether a request uses a penalty or a bias, or asks for log-probabilities: the sampler inside a graph
+        sees the logits alone, so such a batch replays the graph that leaves the logits, for `Engine.sample`."""
         return any(r.params.needs_logits for r in requests)
 
     def launch(self, requests: list[SpeculativeRequest]) -> PendingTokens:
         """Give each request its next block if it needs one, and launch its decode step without waiting."""
         assert self.graphs is not None
+        return self.graphs.launch(self.decode_batch(requests))
+
+    def decode_batch(self, requests: list[SpeculativeRequest]) -> DecodeBatch:
+        """The decode step's rows, each request given its next block if it needs one."""
         for request in requests:
             self.grow_block_table(request, request.num_tokens)
-        return self.graphs.launch(DecodeBatch(
-            [r.output_token_ids[-1] for r in requests], [r.num_tokens for r in requests],
-            [r.block_table for r in requests], [r.params for r in requests],
-            [len(r.output_token_ids) for r in requests]))
+        return DecodeBatch([r.output_token_ids[-1] for r in requests], [r.num_tokens for r in requests],
+                           [r.block_table for r in requests], [r.params for r in requests],
+                           [len(r.output_token_ids) for r in requests])
 
     @torch.inference_mode()
     def compute_chunks(self, chunks: list[Chunk], sampling: list[Chunk]) -> list[int]:
         """Step 09's mixed forward on the static buffers of `MixedStepGraphs`, replayed where captured."""
-        if (self.mixed is None or not self.mixed.fits(sum(c.num_tokens for c in chunks), len(chunks))
-                or self.needs_logits([c.request for c in sampling])):
+        if self.mixed is None or not self.mixed.fits(sum(c.num_tokens for c in chunks), len(chunks)):
             return super().compute_chunks(chunks, sampling)
+        if self.needs_logits([c.request for c in sampling]):
+            logits = self.mixed.logits_for([self.mixed_chunk(c) for c in chunks])
+            rows = [i for i, c in enumerate(chunks) if c.samples]
+            return self.sample(logits[rows], [c.request for c in sampling])
         pending = self.mixed.launch([self.mixed_chunk(c) for c in chunks])
         if not sampling:
             return []  # nothing to wait for
@@ -179,7 +189,8 @@ class CudaGraphEngine(SpeculativeEngine):
         # A penalty or bias (its greedy token is not their argmax) or log-probabilities need the logits: the sampler
         # picks its token.
         sampled = any(not c.request.params.greedy or c.request.params.needs_logits for c in chunks if c.samples)
-        outputs = graphs.run([self.mixed_chunk(c) for c in chunks], sampled)[self.logit_rows(chunks)]
+        outputs = graphs.run([self.mixed_chunk(c) for c in chunks], LOGITS if sampled else GREEDY)
+        outputs = outputs[self.logit_rows(chunks)]
         return self.tokens_from_logits(chunks, outputs) if sampled else self.tokens_from_argmax(chunks, outputs)
 
     def tokens_from_argmax(self, chunks: list[SpeculativeChunk], argmax: torch.Tensor) -> list[list[int]]:

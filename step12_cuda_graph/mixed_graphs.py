@@ -29,7 +29,8 @@ from common.sampling import SamplingParams, SamplingTensors, sample_rows
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend, AttentionMetadata, TritonBackend
 from step06_paged_attention.engine import PagedAttentionForward
-from step12_cuda_graph.decode_graphs import PAD_PARAMS, GraphRecorder, PendingTokens, greedy_tokens
+from step12_cuda_graph.decode_graphs import (GREEDY, LOGITS, PAD_PARAMS, SAMPLED, GraphRecorder, PendingTokens,
+                                             greedy_tokens)
 
 TILE_ROWS = 64  # query rows a program of the tile kernel handles (step 06's prefill launch)
 SMALLEST_TOKEN_BUCKET = 256
@@ -174,7 +175,7 @@ class MixedStepGraphs:
     captured per token bucket, row bucket and sampling mode, then replayed."""
 
     name = "mixed"  # the steps it replays, as `describe` says
-    sampling_modes = (False, True)  # greedy only, or some row samples
+    outputs = (GREEDY, SAMPLED, LOGITS)  # what its graphs leave behind (see `decode_graphs`)
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
                  dummy_block: int, max_tokens: int, max_rows: int, capture: bool) -> None:
@@ -187,7 +188,8 @@ class MixedStepGraphs:
         vocab = model.config.vocab_size
         self.sampling = SamplingTensors.build([PAD_PARAMS] * max_rows, [0] * max_rows, vocab, self.device)
         self.tokens = torch.zeros(max_rows, dtype=torch.int64, device=self.device)
-        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits = torch.zeros(self.logit_rows(max_tokens, max_rows), vocab, device=self.device)
+        self.graphs: dict[tuple[int, int, str], torch.cuda.CUDAGraph] = {}
         self.capture_seconds, self.capture_bytes = 0.0, 0
         # A backend whose prefill reads host figures (lengths, the longest chunk) would have them frozen by a
         # graph: its mixed steps run on the same buffers, eagerly.
@@ -198,6 +200,11 @@ class MixedStepGraphs:
     def token_buckets_for(max_tokens: int) -> list[int]:
         return mixed_token_buckets(max_tokens)
 
+    @staticmethod
+    def logit_rows(max_tokens: int, max_rows: int) -> int:
+        """How many rows of logits a LOGITS graph writes at most: one per row, at its last token."""
+        return max_rows
+
     def reachable(self, tokens: int, rows: int) -> bool:
         """Whether a step of at most `tokens` tokens can need the row bucket `rows` (each row has a token)."""
         smaller = [r for r in self.row_buckets if r < rows]
@@ -207,7 +214,7 @@ class MixedStepGraphs:
         return num_tokens <= self.token_buckets[-1] and num_rows <= self.row_buckets[-1]
 
     @torch.inference_mode()
-    def forward(self, tokens: int, rows: int, sampled: bool, host_lens: tuple[list[int], list[int]] = ([], [])
+    def forward(self, tokens: int, rows: int, output: str, host_lens: tuple[list[int], list[int]] = ([], [])
                 ) -> None:
         """What one graph holds: `tokens` token slots and `rows` rows of the static inputs in, `rows` tokens out.
         `host_lens`: the real rows' new tokens and lengths, for a backend that reads them on the host, eagerly
@@ -222,18 +229,21 @@ class MixedStepGraphs:
         )
         ntiles = max_tiles(tokens, rows)
         context = self.context(meta, s.positions[:tokens], s.tile_request[:ntiles], s.tile_index[:ntiles])
-        self.write_outputs(self.model(s.input_ids[:tokens], context), tokens, rows, sampled)
+        self.write_outputs(self.model(s.input_ids[:tokens], context), tokens, rows, output)
 
     def context(self, meta: AttentionMetadata, positions: torch.Tensor, tile_request: torch.Tensor,
                 tile_index: torch.Tensor) -> MixedGraphForward:
         return MixedGraphForward(self.cache, self.backend, meta, positions, tile_request, tile_index)
 
-    def write_outputs(self, hidden: torch.Tensor, tokens: int, rows: int, sampled: bool) -> None:
-        """A token per row, from the logits at its last token, into the static `self.tokens`."""
+    def write_outputs(self, hidden: torch.Tensor, tokens: int, rows: int, output: str) -> None:
+        """A token per row, from the logits at its last token, into the static `self.tokens` (or, for LOGITS, those
+        logits into `self.logits`)."""
         last = hidden[self.inputs.sample_index[:rows]]
-        if sampled:
+        if output == SAMPLED:
             params = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:rows] for f in fields(SamplingTensors)})
             self.tokens[:rows] = sample_rows(self.model.compute_logits(last), params)
+        elif output == LOGITS:
+            self.logits[:rows] = self.model.compute_logits(last)
         else:
             self.tokens[:rows] = greedy_tokens(self.model, last)
 
@@ -244,17 +254,17 @@ class MixedStepGraphs:
             for rows in [r for r in reversed(self.row_buckets) if self.reachable(tokens, r)]:
                 # One padding chunk on the dummy block: the capture writes nothing a request reads.
                 self.inputs.fill([MixedChunk([0], 0, [self.inputs.dummy_block], False, PAD_PARAMS, 0)], tokens, rows)
-                for sampled in self.sampling_modes:
-                    self.graphs[tokens, rows, sampled] = recorder.record(
-                        lambda: self.forward(tokens, rows, sampled))  # noqa: B023 - called at once
+                for output in self.outputs:
+                    self.graphs[tokens, rows, output] = recorder.record(
+                        lambda: self.forward(tokens, rows, output))  # noqa: B023 - called at once
         self.capture_seconds, self.capture_bytes = recorder.finish()
 
     def launch(self, chunks: Sequence[MixedChunk]) -> PendingTokens:
         """Fill the static inputs, replay the graph of the smallest buckets that hold the chunks (or run the same
         forward eagerly), without waiting. Row i's token is chunk i's (meaningful where the chunk samples)."""
         tokens, rows = self.place(chunks)
-        sampled = not all(c.params.greedy for c in chunks if c.samples)
-        if sampled:
+        output = GREEDY if all(c.params.greedy for c in chunks if c.samples) else SAMPLED
+        if output == SAMPLED:
             padded = [c.params if c.samples else PAD_PARAMS for c in chunks] + [PAD_PARAMS] * (rows - len(chunks))
             positions = [c.output_position for c in chunks] + [0] * (rows - len(chunks))
             host = SamplingTensors.build(padded, positions, self.model.config.vocab_size, torch.device("cpu"))
@@ -262,8 +272,14 @@ class MixedStepGraphs:
             for f in fields(SamplingTensors):
                 field = getattr(host, f.name)
                 getattr(self.sampling, f.name)[:rows].copy_(field.pin_memory() if pinned else field, non_blocking=pinned)
-        self.replay(chunks, tokens, rows, sampled)
+        self.replay(chunks, tokens, rows, output)
         return PendingTokens(self.tokens[: len(chunks)])
+
+    def logits_for(self, chunks: Sequence[MixedChunk]) -> torch.Tensor:
+        """Replay the LOGITS graph for the chunks: row i holds the logits at chunk i's last token."""
+        tokens, rows = self.place(chunks)
+        self.replay(chunks, tokens, rows, LOGITS)
+        return self.logits[: len(chunks)]
 
     def place(self, chunks: Sequence[MixedChunk]) -> tuple[int, int]:
         """Fill the static inputs in the smallest token and row buckets that hold the chunks; return those."""
@@ -273,12 +289,12 @@ class MixedStepGraphs:
         self.inputs.fill(chunks, tokens, rows)
         return tokens, rows
 
-    def replay(self, chunks: Sequence[MixedChunk], tokens: int, rows: int, sampled: bool) -> None:
-        graph = self.graphs.get((tokens, rows, sampled))
+    def replay(self, chunks: Sequence[MixedChunk], tokens: int, rows: int, output: str) -> None:
+        graph = self.graphs.get((tokens, rows, output))
         if graph is not None:
             graph.replay()
         else:  # eager: no CUDA, or a backend a graph cannot hold
-            self.forward(tokens, rows, sampled,
+            self.forward(tokens, rows, output,
                          ([len(c.token_ids) for c in chunks], [c.start + len(c.token_ids) for c in chunks]))
 
     def describe(self) -> str:

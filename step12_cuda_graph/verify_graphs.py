@@ -18,7 +18,7 @@ import torch
 from common.model import CausalLM
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend
-from step12_cuda_graph.decode_graphs import greedy_tokens
+from step12_cuda_graph.decode_graphs import GREEDY, LOGITS, greedy_tokens
 from step12_cuda_graph.mixed_graphs import MixedChunk, MixedStepGraphs, doubling_buckets
 
 SMALLEST_VERIFY_BUCKET = 8
@@ -38,10 +38,10 @@ class VerifyStepGraphs(MixedStepGraphs):
     are written; when some row samples, every token's logits, for rejection sampling after the replay."""
 
     name = "verification"
+    outputs = (GREEDY, LOGITS)  # no sampling inside: a sampled row's proposals are checked against its logits
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend, max_model_len: int,
                  dummy_block: int, max_tokens: int, max_rows: int, capture: bool) -> None:
-        self.logits = torch.zeros(max_tokens, model.config.vocab_size, device=model.device)
         self.greedy = torch.zeros(max_tokens, dtype=torch.long, device=model.device)
         super().__init__(model, cache, backend, max_model_len, dummy_block, max_tokens, max_rows, capture)
 
@@ -49,8 +49,12 @@ class VerifyStepGraphs(MixedStepGraphs):
     def token_buckets_for(max_tokens: int) -> list[int]:
         return verify_token_buckets(max_tokens)
 
-    def write_outputs(self, hidden: torch.Tensor, tokens: int, rows: int, sampled: bool) -> None:
-        if sampled:
+    @staticmethod
+    def logit_rows(max_tokens: int, max_rows: int) -> int:
+        return max_tokens  # every token's
+
+    def write_outputs(self, hidden: torch.Tensor, tokens: int, rows: int, output: str) -> None:
+        if output == LOGITS:
             self.logits[:tokens] = self.model.compute_logits(hidden)
         else:
             self.greedy[:tokens] = self.greedy_tokens(hidden)
@@ -59,9 +63,9 @@ class VerifyStepGraphs(MixedStepGraphs):
         """As step 12's decode graphs find a greedy token (step 13 overrides both alike)."""
         return greedy_tokens(self.model, hidden)
 
-    def run(self, chunks: Sequence[MixedChunk], sampled: bool) -> torch.Tensor:
-        """Replay (or run eagerly) the step; its tokens' outputs laid end to end: the logits [tokens, vocab] if
-        `sampled`, else each token's greedy token [tokens]."""
+    def run(self, chunks: Sequence[MixedChunk], output: str) -> torch.Tensor:
+        """Replay (or run eagerly) the step; its tokens' outputs laid end to end: the logits [tokens, vocab] for
+        LOGITS, each token's greedy token [tokens] for GREEDY."""
         tokens, rows = self.place(chunks)
-        self.replay(chunks, tokens, rows, sampled)
-        return (self.logits if sampled else self.greedy)[: sum(len(c.token_ids) for c in chunks)]
+        self.replay(chunks, tokens, rows, output)
+        return (self.logits if output == LOGITS else self.greedy)[: sum(len(c.token_ids) for c in chunks)]

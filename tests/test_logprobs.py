@@ -163,9 +163,3 @@ def test_completion_logprobs_through_the_sdk(served: tuple[Served, str], client:
     for alternatives, token, record in zip(top, tokens, expected, strict=True):
         assert token in alternatives and len(alternatives) <= 3
         assert list(alternatives)[:2] == [decode([i]) for i, _ in record.top]
-
-
-def test_completion_logprobs_with_echo_are_refused(client: OpenAI) -> None:
-    with pytest.raises(BadRequestError) as refused:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=1, echo=True)
-    assert refused.value.body["param"] == "echo"
