@@ -109,6 +109,16 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, without waiting for it: on a GPU, copied from pinned memory, which runs
+    behind the work already queued (a copy from ordinary memory first waits until the GPU is idle, so the host
+    could not prepare the sampler's work while the forward runs)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -247,7 +257,7 @@ class LogitControls:
         # (row, token) of every output token not yet counted, and of the prompts of rows new to the controls.
         drawn = [(i, t) for i in used for t in outputs[i][states[i].counted:]]
         prompt_pairs = [(i, t) for i in new_prompts for t in prompts[i]]
-        pairs = torch.tensor(drawn + prompt_pairs, dtype=torch.int64).reshape(-1, 2).to(device)
+        pairs = to_device(drawn + prompt_pairs, torch.int64, device).reshape(-1, 2)
         counts.index_put_((pairs[: len(drawn), 0], pairs[: len(drawn), 1]), torch.ones((), device=device),
                           accumulate=True)
         seen.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones((), dtype=torch.bool, device=device))
@@ -255,7 +265,7 @@ class LogitControls:
             if params[i].logit_bias:  # built once per request: its bias never changes
                 bias_row = torch.zeros(vocab_size)
                 bias_row[list(params[i].logit_bias)] = torch.tensor(list(params[i].logit_bias.values()))
-                states[i].bias = bias_row.to(device)
+                states[i].bias = to_device(bias_row.tolist(), torch.float32, device)
         for i in used:
             states[i].counts, states[i].seen, states[i].counted = counts[i], seen[i], len(outputs[i])
         biased = {i for i in used if states[i].bias is not None}
@@ -265,7 +275,7 @@ class LogitControls:
         def column(values: list[float], neutral: float) -> torch.Tensor | None:
             if all(v == neutral for v in values):
                 return None
-            return torch.tensor(values, device=device, dtype=torch.float32)[:, None]
+            return to_device(values, torch.float32, device)[:, None]
 
         return cls(presence=column([p.presence_penalty for p in params], 0.0),
                    frequency=column([p.frequency_penalty for p in params], 0.0),
@@ -323,8 +333,8 @@ def token_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams], token
     """Each asking row's `TokenLogprob` for its chosen token, from the logits after penalties and bias: one
     log_softmax over those rows and one top-k for the largest count asked, then one copy to the host."""
     asking = [i for i, p in enumerate(params) if p.logprobs is not None]
-    where = torch.tensor(asking, device=logits.device)
-    temperature = torch.tensor([params[i].temperature or 1.0 for i in asking], device=logits.device)
+    where = to_device(asking, torch.int64, logits.device)
+    temperature = to_device([params[i].temperature or 1.0 for i in asking], torch.float32, logits.device)
     logprobs = (logits[where] / temperature[:, None]).log_softmax(dim=-1)
     chosen = logprobs.gather(-1, token_ids[where][:, None])[:, 0]
     top_values, top_ids = logprobs.topk(max(params[i].logprobs or 0 for i in asking), dim=-1)
