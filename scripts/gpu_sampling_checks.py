@@ -1,0 +1,83 @@
+"""What clients send, checked on a GPU: the final engine on CUDA (float32, tiny random models of each architecture,
+its graphs, overlap, speculation off and on) against references on the same device, beside plain requests.
+
+- penalties, bias and min_p: the tokens of a decode loop written from their definitions (tests/test_sampling_controls);
+- log-probabilities of greedy tokens: HF's log_softmax within 1e-4, the same top alternatives in order;
+- prompt log-probabilities: HF's forward over the prompt within 1e-4, the first prompt's blocks cached before.
+
+Run from the repository root with PYTHONPATH=. on a CUDA machine; writes $OUT/sampling-checks.json (default runs/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from common.bench import evidence_header
+from common.loading import load_model
+from common.reference import hf_model_for, reference_logits
+from common.sampling import SamplingParams
+from common.steps import STEPS
+from tests import test_logprobs, test_sampling_controls
+
+MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+TOP = 3
+
+
+def engine_for(loaded, speculative_tokens: int, **config):  # noqa: ANN001, ANN003, ANN201
+    final = STEPS[-1].engine_class()
+    return final(loaded, final.config_class(device="cuda", dtype="float32", speculative_tokens=speculative_tokens,
+                                            num_blocks=64, **config))
+
+
+def worst_difference(records, rows, token_ids) -> tuple[float, bool]:  # noqa: ANN001
+    """The largest |logprob - HF's| over the records, and whether every record's alternatives are HF's top ids."""
+    worst, same = 0.0, True
+    for record, row, token_id in zip(records, rows, token_ids, strict=True):
+        worst = max(worst, abs(record.logprob - row[token_id].item()))
+        same &= [i for i, _ in record.top] == row.topk(len(record.top)).indices.tolist()
+    return worst, same
+
+
+def main() -> None:
+    results: dict[str, dict] = {"controls": {}, "logprobs": {}, "prompt_logprobs": {}}
+    for model in MODELS:
+        loaded = load_model(model, device="cuda")
+        hf = hf_model_for(loaded)
+        prompts = [loaded.tokenizer.apply_chat_template(p) for p in test_logprobs.PARITY_PROMPTS[:3]]
+        for k in (0, 4):
+            for name, params in test_sampling_controls.CONTROLS.items():
+                plain = SamplingParams(max_tokens=params.max_tokens, ignore_eos=True)
+                got = engine_for(loaded, k).generate(prompts, [params, plain, plain])[0].token_ids
+                results["controls"][f"{model} {name} k={k}"] = got == test_sampling_controls.reference_decode(
+                    hf, prompts[0], params)
+            plain = SamplingParams(max_tokens=12, ignore_eos=True)
+            asking = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=TOP)
+            request = test_logprobs.run_with_logprobs(engine_for(loaded, k), prompts, [plain, asking, plain])[1]
+            tokens = request.output_token_ids
+            rows = reference_logits(hf, prompts[1] + tokens)[len(prompts[1]) - 1 : -1].log_softmax(-1).cpu()
+            worst, same = worst_difference(request.output_logprobs, rows, tokens)
+            results["logprobs"][f"{model} k={k}"] = {"max_abs_diff": worst, "top_ids_same": same,
+                                                     "greedy": tokens == rows.argmax(-1).tolist()}
+            engine = engine_for(loaded, k, max_num_batched_tokens=16)
+            engine.generate([prompts[0]], SamplingParams(max_tokens=2))  # its full blocks are then cached
+            scoring = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=TOP)
+            worst, same = 0.0, True
+            for prompt, request in zip(prompts, test_logprobs.run_with_logprobs(engine, prompts, [scoring] * 3)):
+                rows = reference_logits(hf, prompt)[:-1].float().log_softmax(-1).cpu()
+                w, s = worst_difference(request.prompt_logprobs[1:], rows, prompt[1:])
+                worst, same = max(worst, w), same and s
+            results["prompt_logprobs"][f"{model} k={k}"] = {"max_abs_diff": worst, "top_ids_same": same,
+                                                            "cached_prompt_tokens": engine.hit_tokens}
+    print(json.dumps(results, indent=1))
+    doc = evidence_header(torch.device("cuda"), ",".join(MODELS), torch.float32) | results
+    out = Path(os.environ.get("OUT", "runs")) / "sampling-checks.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
