@@ -441,6 +441,21 @@ def render_invariance_attention(path: str, doc: Doc) -> list[str]:
                     text_columns=2)
 
 
+def render_sampling_checks(path: str, doc: Doc) -> list[str]:
+    """scripts/gpu_sampling_checks.py: per model and speculation setting, the controls that gave their definition's
+    tokens, and the worst log-probability difference from HF's, of generated and of prompt tokens."""
+    rows = []
+    for key, logprobs in doc["logprobs"].items():
+        model, k = key.split()
+        controls = [ok for name, ok in doc["controls"].items() if name.split()[0] == model and name.endswith(k)]
+        prompt = doc["prompt_logprobs"][key]
+        rows.append([model, k.removeprefix("k="), f"{sum(controls)} of {len(controls)}",
+                     f"{logprobs['max_abs_diff']:.1e}", "yes" if logprobs["top_ids_same"] else "no",
+                     f"{prompt['max_abs_diff']:.1e}", "yes" if prompt["top_ids_same"] else "no"])
+    return markdown(["model", "speculative tokens", "controls as defined", "logprobs vs HF", "same top",
+                     "prompt logprobs vs HF", "same top"], rows, text_columns=2)
+
+
 @dataclass(frozen=True)
 class Renderer:
     kind: str
@@ -479,6 +494,7 @@ RENDERERS = (
     Renderer("invariance", lambda doc: any(part in doc for part in INVARIANCE_PARTS), render_invariance),
     Renderer("invariance-cost", lambda doc: "on_vs_off" in doc.get("speed", {}), render_invariance_cost),
     Renderer("invariance-matmul", lambda doc: "engine_tile" in first(doc, "matmul"), render_invariance_matmul),
+    Renderer("sampling-checks", lambda doc: "prompt_logprobs" in doc and "controls" in doc, render_sampling_checks),
     Renderer("invariance-attention", lambda doc: "same_bits_as_prefill_rows" in first(doc, "attention"),
              render_invariance_attention),
 )
