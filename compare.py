@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+WORKLOAD_FIELDS = {"max_tokens", "ignore_eos"}  # every request runs to the workload's length
+
+
 def sampling_fields(text: str) -> dict[str, Any]:
     """--sampling: a JSON object of SamplingParams fields, each checked by SamplingParams itself."""
     from common.sampling import SamplingParams
@@ -76,6 +79,9 @@ def sampling_fields(text: str) -> dict[str, Any]:
         fields = json.loads(text)
         if not isinstance(fields, dict):
             raise ValueError("give a JSON object")
+        fixed = sorted(set(fields) & WORKLOAD_FIELDS)
+        if fixed:
+            raise ValueError(f"{', '.join(fixed)} belong to the workload: use --max-tokens")
         SamplingParams(**fields)
     except (ValueError, TypeError) as err:
         raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None

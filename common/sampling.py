@@ -263,9 +263,10 @@ class LogitControls:
         seen.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones((), dtype=torch.bool, device=device))
         for i in new_prompts:
             if params[i].logit_bias:  # built once per request: its bias never changes
-                bias_row = torch.zeros(vocab_size)
-                bias_row[list(params[i].logit_bias)] = torch.tensor(list(params[i].logit_bias.values()))
-                states[i].bias = to_device(bias_row.tolist(), torch.float32, device)
+                bias_row = torch.zeros(vocab_size, device=device)
+                bias_row[to_device(list(params[i].logit_bias), torch.int64, device)] = to_device(
+                    list(params[i].logit_bias.values()), torch.float32, device)
+                states[i].bias = bias_row
         for i in used:
             states[i].counts, states[i].seen, states[i].counted = counts[i], seen[i], len(outputs[i])
         biased = {i for i in used if states[i].bias is not None}

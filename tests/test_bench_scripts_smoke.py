@@ -29,6 +29,27 @@ def test_compare(tmp_path: Path) -> None:
     assert {run["system"] for run in written(out)["runs"]} == {"step06_paged_attention", "step14_overlap_scheduling"}
 
 
+def test_compare_sampling_reaches_every_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--sampling: each engine request carries the fields, and the evidence names them."""
+    import compare
+    from common.engine import Engine
+
+    seen = []
+    add_request = Engine.add_request
+
+    def recording_add(self, prompt, params=None, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(params)
+        return add_request(self, prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "add_request", recording_add)
+    out = tmp_path / "compare.json"
+    fields = {"presence_penalty": 0.5, "logprobs": 2}
+    assert compare.main([*TINY, "--batch-sizes", "2", "--max-tokens", "3", "--no-hf", "--steps",
+                         "step10_prefix_caching", "--sampling", json.dumps(fields), "--output", str(out)]) == 0
+    assert seen and all(p.presence_penalty == 0.5 and p.logprobs == 2 for p in seen)
+    assert written(out)["sampling"] == fields
+
+
 def test_bench_prefill(tmp_path: Path) -> None:
     from step06_paged_attention.bench import bench_prefill
 

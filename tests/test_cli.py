@@ -57,6 +57,12 @@ BAD_COMMAND_LINES = [
     pytest.param("compare.py", ["--batch-sizes", "0"], "error: --batch-sizes takes", id="compare-batch-0"),
     pytest.param("compare.py", ["--steps", "step01_serial,step99"], "error: --steps has unknown names step99",
                  id="compare-steps"),
+    pytest.param("compare.py", ["--no-hf", "--sampling", '{"logprobs": 50}'],
+                 "error: argument --sampling: '{\"logprobs\": 50}': logprobs must be", id="compare-sampling-range"),
+    pytest.param("compare.py", ["--no-hf", "--sampling", '{"max_tokens": 3}'],
+                 "max_tokens belong to the workload: use --max-tokens", id="compare-sampling-workload"),
+    pytest.param("compare.py", ["--sampling", '{"logprobs": 5}'], "error: --sampling sets the engines' requests only",
+                 id="compare-sampling-beside-hf"),
 ]
 
 

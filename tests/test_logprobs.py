@@ -42,15 +42,20 @@ def run_with_logprobs(engine: Engine, prompts: list[list[int]], params: list[Sam
     return requests
 
 
-def check_against_hf(hf: PreTrainedModel, prompt: list[int], tokens: list[int], records: list[TokenLogprob]) -> None:
-    """Each token's logprob is HF's log_softmax at its position; the alternatives are HF's top-k, in order."""
+def check_records(records: list[TokenLogprob], tokens: list[int], rows: torch.Tensor) -> None:
+    """Record i is token i's, with the log-probability of row i (a log_softmax) and the row's top-k, in order."""
     assert [r.token_id for r in records] == tokens
-    expected = reference_logits(hf, prompt + tokens)[len(prompt) - 1 : -1].log_softmax(dim=-1)
-    for record, row in zip(records, expected, strict=True):
+    for record, row in zip(records, rows, strict=True):
         assert abs(record.logprob - row[record.token_id].item()) < 1e-4
-        values, ids = row.topk(TOP)
+        values, ids = row.topk(len(record.top))
         assert [i for i, _ in record.top] == ids.tolist()
         assert torch.allclose(torch.tensor([lp for _, lp in record.top]), values, atol=1e-4)
+
+
+def check_against_hf(hf: PreTrainedModel, prompt: list[int], tokens: list[int], records: list[TokenLogprob]) -> None:
+    """Each token's logprob is HF's log_softmax at its position; the alternatives are HF's top-k, in order."""
+    assert all(len(r.top) == TOP for r in records)
+    check_records(records, tokens, reference_logits(hf, prompt + tokens)[len(prompt) - 1 : -1].log_softmax(dim=-1))
 
 
 @pytest.mark.parametrize(("step", "config"), ENGINES, ids=[f"{s}-{'-'.join(c) or 'eager'}" for s, c in ENGINES])
