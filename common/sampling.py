@@ -316,8 +316,17 @@ class Sampler:
         """`__call__`'s token ids, and for each row that asks (`SamplingParams.logprobs`) its `TokenLogprob`:
         None for the others. `states`: each row's `LogitState`, kept by the caller between steps (without them,
         the controls are counted afresh from `prompts` and `outputs`)."""
+        controls = None
         if any(p.adjusts_logits for p in params):  # a host-side check: a batch with no control pays nothing
             controls = LogitControls.build(params, prompts, outputs, logits.shape[-1], logits.device, states)
+        token_ids, logprobs = self.draw(logits, params, output_positions, controls)
+        return token_ids, logprobs.records(params) if logprobs is not None else [None] * len(params)
+
+    def draw(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_positions: Sequence[int],
+             controls: LogitControls | None = None) -> tuple[torch.Tensor, LogprobRows | None]:
+        """`sample`'s work queued on the device, with nothing read back: the token ids, and the log-probabilities
+        of the rows that ask (None if none does) for `LogprobRows.records` to read once they are needed."""
+        if controls is not None:
             logits = controls.apply(logits)
         if all(p.greedy for p in params):
             token_ids = logits.argmax(dim=-1)
@@ -325,23 +334,37 @@ class Sampler:
             rows = SamplingTensors.build(params, output_positions, logits.shape[-1], logits.device)
             token_ids = sample_rows(logits, rows, cut=any(p.top_k or p.top_p < 1 or p.min_p for p in params))
         if all(p.logprobs is None for p in params):  # a host-side check too: no row asks, nothing is computed
-            return token_ids, [None] * len(params)
-        return token_ids, token_logprobs(logits, params, token_ids)
+            return token_ids, None
+        return token_ids, LogprobRows.compute(logits, params, token_ids)
 
 
-def token_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams], token_ids: torch.Tensor
-                   ) -> list[TokenLogprob | None]:
-    """Each asking row's `TokenLogprob` for its chosen token, from the logits after penalties and bias: one
-    log_softmax over those rows and one top-k for the largest count asked, then one copy to the host."""
-    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
-    where = to_device(asking, torch.int64, logits.device)
-    temperature = to_device([params[i].temperature or 1.0 for i in asking], torch.float32, logits.device)
-    logprobs = (logits[where] / temperature[:, None]).log_softmax(dim=-1)
-    chosen = logprobs.gather(-1, token_ids[where][:, None])[:, 0]
-    top_values, top_ids = logprobs.topk(max(params[i].logprobs or 0 for i in asking), dim=-1)
-    results: list[TokenLogprob | None] = [None] * len(params)
-    for row, token_id, logprob, values, ids in zip(asking, token_ids[where].tolist(), chosen.tolist(),
-                                                   top_values.tolist(), top_ids.tolist(), strict=True):
-        n = params[row].logprobs or 0
-        results[row] = TokenLogprob(token_id, logprob, list(zip(ids[:n], values[:n], strict=True)))
-    return results
+@dataclass
+class LogprobRows:
+    """The log-probabilities of the rows that ask, as tensors: each one's chosen token and its best alternatives
+    (as many as the most any row asks for), under the distribution it was drawn from."""
+
+    rows: list[int]  # which rows of the batch ask
+    token_ids: torch.Tensor  # [asking]
+    chosen: torch.Tensor  # [asking] float32
+    top_values: torch.Tensor  # [asking, most asked]
+    top_ids: torch.Tensor  # [asking, most asked]
+
+    @classmethod
+    def compute(cls, logits: torch.Tensor, params: Sequence[SamplingParams], token_ids: torch.Tensor) -> LogprobRows:
+        """From the logits after penalties and bias: one log_softmax over the asking rows and one top-k."""
+        asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+        where = to_device(asking, torch.int64, logits.device)
+        temperature = to_device([params[i].temperature or 1.0 for i in asking], torch.float32, logits.device)
+        logprobs = (logits[where] / temperature[:, None]).log_softmax(dim=-1)
+        chosen_ids = token_ids[where]
+        top_values, top_ids = logprobs.topk(max(params[i].logprobs or 0 for i in asking), dim=-1)
+        return cls(asking, chosen_ids, logprobs.gather(-1, chosen_ids[:, None])[:, 0], top_values, top_ids)
+
+    def records(self, params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:
+        """Each row's `TokenLogprob` (None where it does not ask), read back to the host: this waits for the GPU."""
+        results: list[TokenLogprob | None] = [None] * len(params)
+        for row, token_id, logprob, values, ids in zip(self.rows, self.token_ids.tolist(), self.chosen.tolist(),
+                                                       self.top_values.tolist(), self.top_ids.tolist(), strict=True):
+            n = params[row].logprobs or 0
+            results[row] = TokenLogprob(token_id, logprob, list(zip(ids[:n], values[:n], strict=True)))
+        return results

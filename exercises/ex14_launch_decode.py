@@ -18,9 +18,9 @@ def launch_decode(self: OverlapSchedulingEngine, requests: list[SpeculativeReque
     the host has not read yet. A request in it (its row there: `previous.row_of[request]`) is one token further
     along than the host knows: that token, sampled by its row of `previous`, is still on the device and not in
     `request.output_token_ids`.
-    Returns: `LaunchedDecode(requests, seq_lens, tokens)`: the requests, each row's length, and the step's
-    `PendingTokens` from `self.graphs.launch(LaunchAheadBatch(token_ids, seq_lens, tables, params,
-    output_positions, previous_rows))`.
+    Returns: `LaunchedDecode(requests, seq_lens, tokens, logprobs)`: the requests, each row's length, and what
+    `self.launch_rows(batch, requests)` returns for `batch = LaunchAheadBatch(token_ids, seq_lens, tables, params,
+    output_positions, previous_rows)`: the step's `PendingTokens` (and its log-probabilities to come, or None).
     Rule: never wait for `previous` (reading its tokens would stall the host until the device is done, and
     nothing would overlap). A row whose request is in `previous` takes its input from there, on the device: token
     0 as a placeholder, previous row = its row in `previous`, length `request.num_tokens + 1` (the pending token

@@ -59,12 +59,14 @@ def main() -> None:
                     hf, prompts[0], params)
             plain = SamplingParams(max_tokens=12, ignore_eos=True)
             asking = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=TOP)
-            request = test_logprobs.run_with_logprobs(engine_for(loaded, k), prompts, [plain, asking, plain])[1]
+            engine = engine_for(loaded, k)
+            request = test_logprobs.run_with_logprobs(engine, prompts, [plain, asking, plain])[1]
             tokens = request.output_token_ids
             rows = reference_logits(hf, prompts[1] + tokens)[len(prompts[1]) - 1 : -1].log_softmax(-1).cpu()
             worst, same = worst_difference(request.output_logprobs, rows, tokens)
             results["logprobs"][f"{model} k={k}"] = {"max_abs_diff": worst, "top_ids_same": same,
-                                                     "greedy": tokens == rows.argmax(-1).tolist()}
+                                                     "greedy": tokens == rows.argmax(-1).tolist(),
+                                                     "steps_taken_from_ahead": engine.steps_taken_from_ahead}
             engine = engine_for(loaded, k, max_num_batched_tokens=16)
             engine.generate([prompts[0]], SamplingParams(max_tokens=2))  # its full blocks are then cached
             scoring = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=TOP)

@@ -15,17 +15,24 @@ it there, on the device. The batch launched ahead is a guess (every running requ
 finish by length); when the next step's batch turns out different, it is launched afresh (`decode`), and a
 mixed step takes the decoders' tokens from it rather than computing them twice (`compute_chunks`).
 
+A batch whose requests need their logits (penalties, a bias, log-probabilities) is launched ahead as well:
+step 12's LOGITS graph with the shared sampler queued behind it (`launch_with_sampler`). Its penalties count, on
+the device, the token the host has not appended yet (`count_pending`), and its log-probabilities come back with
+its tokens (`PendingLogprobs`).
+
 Everything else (graphs, fused kernels, scheduling, prefix caching, preemption) is step 13's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from common.loading import LoadedModel
 from common.request import RequestOutput
+from common.sampling import LogitControls, LogprobRows, SamplingParams, TokenLogprob, to_device
 from step09_chunked_prefill.engine import Chunk
 from step11_speculative_decoding.engine import SpeculativeRequest
 from step12_cuda_graph.decode_graphs import DecodeBatch, PendingTokens, StaticDecodeInputs
@@ -57,13 +64,52 @@ class LaunchAheadInputs(StaticDecodeInputs):
         return torch.where(previous >= 0, last_tokens[previous.clamp(min=0)], self.input_ids[:bucket])
 
 
+class PendingLogprobs:
+    """A launched step's log-probabilities (`LogprobRows`), copied to pinned host memory behind the step, as
+    `PendingTokens` copies its tokens."""
+
+    def __init__(self, rows: LogprobRows, params: Sequence[SamplingParams]) -> None:
+        self.params = params
+
+        def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            return host.copy_(tensor, non_blocking=True)
+
+        self.rows = LogprobRows(rows.rows, *map(pinned_copy, (rows.token_ids, rows.chosen, rows.top_values,
+                                                              rows.top_ids)))
+        self.done: torch.cuda.Event | None = None
+        if rows.chosen.is_cuda:
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def records(self) -> list[TokenLogprob | None]:
+        """Block until the step has run; each row's record (None where its request does not ask)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.rows.records(self.params)
+
+
+def count_pending(controls: LogitControls, last_tokens: torch.Tensor, previous_rows: list[int]) -> LogitControls:
+    """The controls with each row's token still on the device counted too (row i's is the one row
+    `previous_rows[i]` of the step before drew, -1: none). Counted on a copy: a request's `LogitState` keeps only
+    the tokens the host appended, so a step launched ahead in vain leaves it as it was."""
+    rows = to_device(previous_rows, torch.int64, last_tokens.device)
+    pending = rows >= 0
+    tokens = torch.where(pending, last_tokens[rows.clamp(min=0)], 0)
+    where = (torch.arange(len(previous_rows), device=rows.device), tokens)
+    return replace(controls, output_counts=controls.output_counts.index_put(where, pending.float(), accumulate=True),
+                   seen=controls.seen.index_put(where, controls.seen[where] | pending))
+
+
 @dataclass
 class LaunchedDecode:
-    """A decode step on the GPU: its requests in row order, the length each was computed at, its tokens to come."""
+    """A decode step on the GPU: its requests in row order, the length each was computed at, its tokens to come
+    (and their log-probabilities, where a request asks)."""
 
     requests: list[SpeculativeRequest]
     seq_lens: list[int]
     tokens: PendingTokens
+    logprobs: PendingLogprobs | None = None
     row_of: dict[SpeculativeRequest, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +123,16 @@ class LaunchedDecode:
         """Whether this step computed the next token of every one of these requests (and more is fine: the
         rows of requests that finished meanwhile are ignored)."""
         return all(self.seq_len_of(r) == r.num_tokens for r in requests)
+
+    def record_logprobs(self, requests: Sequence[SpeculativeRequest]) -> None:
+        """Hand each request its token's log-probability record, where it asks, before its token is appended."""
+        if self.logprobs is None:
+            return
+        records = self.logprobs.records()
+        for request in requests:
+            record = records[self.row_of[request]]
+            if record is not None:
+                request.output_logprobs.append(record)
 
 
 @dataclass
@@ -113,8 +169,7 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
     @torch.inference_mode()
     def decode(self, requests: list[SpeculativeRequest]) -> list[RequestOutput]:
         ahead, self.launched_ahead = self.launched_ahead, None
-        if (not self.overlap or self.graphs is None or len(requests) > self.graphs.max_batch
-                or self.needs_logits(requests)):
+        if not self.overlap or self.graphs is None or len(requests) > self.graphs.max_batch:
             return super().decode(requests)
         # The step launched ahead computed these requests' tokens already, unless the batch changed since
         # in a way it could not foresee (someone swapped in, or was preempted and admitted again).
@@ -126,6 +181,7 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
         self.ahead = self.launch_ahead(current)
         self.steps_launched_ahead += self.ahead is not None
         sampled = current.tokens.wait()  # the GPU goes on with the step launched ahead meanwhile
+        current.record_logprobs(requests)
         return self.process_tokens(requests, [sampled[current.row_of[r]] for r in requests])
 
     def launch_decode(self, requests: list[SpeculativeRequest], previous: LaunchedDecode | None = None
@@ -133,7 +189,6 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
         """Give each request its next block if it needs one and launch its decode step. A request of
         `previous` has a token there that the host has not appended yet: that token is its input, read on
         the device, and its length counts it."""
-        assert self.graphs is not None
         batch = LaunchAheadBatch([], [], [], [], [], [])
         for request in requests:
             row = previous.row_of.get(request, -1) if previous is not None else -1
@@ -145,7 +200,35 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
             self.grow_block_table(request, batch.seq_lens[-1])
             batch.tables.append(request.block_table)
             batch.params.append(request.params)
-        return LaunchedDecode(requests, batch.seq_lens, self.graphs.launch(batch))
+        return LaunchedDecode(requests, batch.seq_lens, *self.launch_rows(batch, requests))
+
+    def launch_rows(self, batch: LaunchAheadBatch, requests: list[SpeculativeRequest]
+                    ) -> tuple[PendingTokens, PendingLogprobs | None]:
+        """Launch the batch's step: step 12's graph, or the sampler behind it where a request needs its logits."""
+        assert self.graphs is not None
+        if self.needs_logits(requests):
+            return self.launch_with_sampler(batch, requests)
+        return self.graphs.launch(batch), None
+
+    def launch_with_sampler(self, batch: LaunchAheadBatch, requests: list[SpeculativeRequest]
+                            ) -> tuple[PendingTokens, PendingLogprobs | None]:
+        """A batch that needs its logits (penalties, a bias, log-probabilities), launched all the same: step 12's
+        LOGITS graph, then the shared sampler queued behind it, nothing read back. Its penalties count, on the
+        device, the tokens of the step before that the host has not appended yet (`count_pending`); its tokens go
+        where the next step launched ahead reads its inputs."""
+        assert self.graphs is not None
+        logits = self.graphs.logits_for(batch)
+        controls = None
+        if any(p.adjusts_logits for p in batch.params):
+            controls = LogitControls.build(batch.params, [r.prompt_token_ids for r in requests],
+                                           [r.output_token_ids for r in requests], logits.shape[-1], logits.device,
+                                           [r.logit_state for r in requests])
+            if any(row >= 0 for row in batch.previous_rows):
+                controls = count_pending(controls, self.graphs.tokens, batch.previous_rows)
+        token_ids, logprobs = self.sampler.draw(logits, batch.params, batch.output_positions, controls)
+        self.graphs.tokens[: len(batch)] = token_ids
+        pending = PendingLogprobs(logprobs, batch.params) if logprobs is not None else None
+        return PendingTokens(self.graphs.tokens[: len(batch)]), pending
 
     def launch_ahead(self, current: LaunchedDecode) -> LaunchedDecode | None:
         """Launch the next decode step now, before the host has seen this one's tokens, so that the GPU
@@ -160,10 +243,6 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
             return None  # the next step may bring a request back, or be a mixed step
         batch = [r for r in self.running if not self.finishes_by_length(r, pending=r in current.row_of)]
         if not batch or len(batch) > self.graphs.max_batch:
-            return None
-        if self.needs_logits(batch):
-            # Its penalties count the tokens on the host, where this step's token is not yet; its log-probabilities
-            # come from the sampler, which a step launched ahead does not run.
             return None
         if self.may_speculate(batch):
             return None  # a proposal needs this step's token, on the host, before the next step can be laid out
@@ -201,6 +280,7 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
         rest = [c for c in chunks if c.request not in taken]
         rest_tokens = iter(super().compute_chunks(rest, [c for c in rest if c.samples]))
         ahead_tokens = ahead.tokens.wait()
+        ahead.record_logprobs([c.request for c in chunks if c.request in taken])
         return [ahead_tokens[ahead.row_of[c.request]] if c.request in taken else next(rest_tokens) for c in sampling]
 
     def memory_report(self) -> str:

@@ -219,7 +219,7 @@ def launch_after_reading_the_tokens(self: OverlapSchedulingEngine, requests: lis
         self.grow_block_table(request, batch.seq_lens[-1])
         batch.tables.append(request.block_table)
         batch.params.append(request.params)
-    return LaunchedDecode(requests, batch.seq_lens, self.graphs.launch(batch))
+    return LaunchedDecode(requests, batch.seq_lens, *self.launch_rows(batch, requests))
 
 
 def linear_on_the_whole_batch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ ENGINES = [
     (STEPS[-1].name, {}),
     (STEPS[-1].name, {"max_num_batched_tokens": 16}),
     (STEPS[-1].name, {"speculative_tokens": 4}),
+    (STEPS[-1].name, {"overlap": True}),
 ]
 
 
@@ -68,6 +69,8 @@ def test_greedy_logprobs_match_hf(tiny: LoadedModel, step: str, config: dict) ->
     engine = make_engine(tiny, step, **config)
     # The middle request asks, beside two that do not: their tokens stay those they get alone.
     requests = run_with_logprobs(engine, prompts, [plain, asking, plain])
+    if config.get("overlap"):
+        assert engine.steps_taken_from_ahead > 0  # the asking request's steps were launched ahead too
     assert [r.output_token_ids for r in requests] == [c.token_ids for c in alone]
     assert requests[0].output_logprobs == [] and requests[2].output_logprobs == []
     check_against_hf(hf, prompts[1], requests[1].output_token_ids, requests[1].output_logprobs)

@@ -22,6 +22,7 @@ ENGINES = [
     ("step10_prefix_caching", {}),
     (STEPS[-1].name, {"max_num_batched_tokens": 16}),
     (STEPS[-1].name, {"speculative_tokens": 4}),
+    (STEPS[-1].name, {"overlap": True}),
 ]
 
 
