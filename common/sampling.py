@@ -219,7 +219,7 @@ class LogitState:
 
     def __init__(self) -> None:
         self.counts: torch.Tensor | None = None  # [vocab] float32: how often each token was generated
-        self.seen: torch.Tensor | None = None  # [vocab] bool: in the prompt or the output
+        self.seen: torch.Tensor | None = None  # [vocab] bool: in the prompt or the output (for a repetition penalty)
         self.bias: torch.Tensor | None = None  # [vocab] float32, where the request sets a logit_bias
         self.counted = 0  # output tokens already in `counts`
 
@@ -233,7 +233,7 @@ class LogitControls:
     frequency: torch.Tensor | None  # [rows, 1]
     repetition: torch.Tensor | None  # [rows, 1]
     output_counts: torch.Tensor  # [rows, vocab] float32
-    seen: torch.Tensor  # [rows, vocab] bool
+    seen: torch.Tensor | None  # [rows, vocab] bool, where a row has a repetition penalty
     bias: torch.Tensor | None  # [rows, vocab] float32
 
     @classmethod
@@ -242,25 +242,29 @@ class LogitControls:
               states: Sequence[LogitState] | None = None) -> LogitControls:
         """The batch's controls from each row's `LogitState` (fresh ones where none are given), brought up to date
         with the tokens drawn since its last step: one transfer of those token ids (and of the prompts of rows new
-        to the controls), counted by one scatter on the device. Each state then keeps its row of the result."""
+        to a repetition penalty), counted by one scatter on the device. Each state then keeps its row of the result.
+        `seen` is kept only where a row has a repetition penalty: the others never read it."""
         rows = len(params)
         states = list(states) if states is not None else [LogitState() for _ in range(rows)]
         used = [i for i, p in enumerate(params) if p.adjusts_logits]
         uses = set(used)
+        repeating = {i for i in used if params[i].repetition_penalty != 1}
         zero_counts = torch.zeros(vocab_size, device=device)
-        unseen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         counts = torch.stack([states[i].counts if i in uses and states[i].counts is not None else zero_counts
                               for i in range(rows)])
-        seen = torch.stack([states[i].seen if i in uses and states[i].seen is not None else unseen
-                            for i in range(rows)])
         new_prompts = [i for i in used if states[i].counts is None]
-        # (row, token) of every output token not yet counted, and of the prompts of rows new to the controls.
+        # (row, token) of every output token not yet counted, and of the prompts of rows new to a repetition penalty.
         drawn = [(i, t) for i in used for t in outputs[i][states[i].counted:]]
-        prompt_pairs = [(i, t) for i in new_prompts for t in prompts[i]]
+        prompt_pairs = [(i, t) for i in new_prompts if i in repeating for t in prompts[i]]
         pairs = to_device(drawn + prompt_pairs, torch.int64, device).reshape(-1, 2)
         counts.index_put_((pairs[: len(drawn), 0], pairs[: len(drawn), 1]), torch.ones((), device=device),
                           accumulate=True)
-        seen.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones((), dtype=torch.bool, device=device))
+        seen = None
+        if repeating:
+            unseen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            seen = torch.stack([states[i].seen if i in repeating and states[i].seen is not None else unseen
+                                for i in range(rows)])
+            seen.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones((), dtype=torch.bool, device=device))
         for i in new_prompts:
             if params[i].logit_bias:  # built once per request: its bias never changes
                 bias_row = torch.zeros(vocab_size, device=device)
@@ -268,7 +272,9 @@ class LogitControls:
                     list(params[i].logit_bias.values()), torch.float32, device)
                 states[i].bias = bias_row
         for i in used:
-            states[i].counts, states[i].seen, states[i].counted = counts[i], seen[i], len(outputs[i])
+            states[i].counts, states[i].counted = counts[i], len(outputs[i])
+            if seen is not None and i in repeating:
+                states[i].seen = seen[i]
         biased = {i for i in used if states[i].bias is not None}
         bias = (torch.stack([states[i].bias if i in biased else zero_counts for i in range(rows)])
                 if biased else None)
@@ -288,10 +294,11 @@ class LogitControls:
         if self.bias is not None:
             logits = logits + self.bias
         if self.repetition is not None:
+            assert self.seen is not None, "a repetition penalty needs the tokens seen"
             penalized = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
             logits = torch.where(self.seen, penalized, logits)
         if self.frequency is not None:
-            logits = logits - self.output_counts * self.frequency
+            logits = logits.addcmul(self.output_counts, self.frequency, value=-1)  # one kernel: minus count x frequency
         if self.presence is not None:
             logits = logits - (self.output_counts > 0) * self.presence
         return logits
@@ -353,10 +360,14 @@ class LogprobRows:
     def compute(cls, logits: torch.Tensor, params: Sequence[SamplingParams], token_ids: torch.Tensor) -> LogprobRows:
         """From the logits after penalties and bias: one log_softmax over the asking rows and one top-k."""
         asking = [i for i, p in enumerate(params) if p.logprobs is not None]
-        where = to_device(asking, torch.int64, logits.device)
-        temperature = to_device([params[i].temperature or 1.0 for i in asking], torch.float32, logits.device)
-        logprobs = (logits[where] / temperature[:, None]).log_softmax(dim=-1)
-        chosen_ids = token_ids[where]
+        if len(asking) < len(params):  # only the rows that ask
+            where = to_device(asking, torch.int64, logits.device)
+            logits, token_ids = logits[where], token_ids[where]
+        temperatures = [params[i].temperature or 1.0 for i in asking]
+        if any(t != 1 for t in temperatures):
+            logits = logits / to_device(temperatures, torch.float32, logits.device)[:, None]
+        logprobs = logits.log_softmax(dim=-1)
+        chosen_ids = token_ids
         top_values, top_ids = logprobs.topk(max(params[i].logprobs or 0 for i in asking), dim=-1)
         return cls(asking, chosen_ids, logprobs.gather(-1, chosen_ids[:, None])[:, 0], top_values, top_ids)
 

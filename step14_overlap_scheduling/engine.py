@@ -97,8 +97,11 @@ def count_pending(controls: LogitControls, last_tokens: torch.Tensor, previous_r
     pending = rows >= 0
     tokens = torch.where(pending, last_tokens[rows.clamp(min=0)], 0)
     where = (torch.arange(len(previous_rows), device=rows.device), tokens)
+    seen = controls.seen
+    if seen is not None:
+        seen = seen.index_put(where, seen[where] | pending)
     return replace(controls, output_counts=controls.output_counts.index_put(where, pending.float(), accumulate=True),
-                   seen=controls.seen.index_put(where, controls.seen[where] | pending))
+                   seen=seen)
 
 
 @dataclass
