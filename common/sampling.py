@@ -299,8 +299,8 @@ class LogitControls:
             logits = torch.where(self.seen, penalized, logits)
         if self.frequency is not None:
             logits = logits.addcmul(self.output_counts, self.frequency, value=-1)  # one kernel: minus count x frequency
-        if self.presence is not None:
-            logits = logits - (self.output_counts > 0) * self.presence
+        if self.presence is not None:  # a count clamped to 1 is 1 where the token was drawn at all
+            logits = logits.addcmul(self.output_counts.clamp(max=1), self.presence, value=-1)
         return logits
 
 

@@ -89,19 +89,23 @@ class PendingLogprobs:
         return self.rows.records(self.params)
 
 
-def count_pending(controls: LogitControls, last_tokens: torch.Tensor, previous_rows: list[int]) -> LogitControls:
-    """The controls with each row's token still on the device counted too (row i's is the one row
-    `previous_rows[i]` of the step before drew, -1: none). Counted on a copy: a request's `LogitState` keeps only
-    the tokens the host appended, so a step launched ahead in vain leaves it as it was."""
+def count_pending(controls: LogitControls, logits: torch.Tensor, last_tokens: torch.Tensor,
+                  previous_rows: list[int]) -> torch.Tensor:
+    """The logits with the controls applied, counting too each row's token still on the device (row i's is the one
+    row `previous_rows[i]` of the step before drew; -1: none). Only that token's logit changes: it is penalized
+    again from the raw logit with its count one higher, one gather and one scatter. The requests' `LogitState`s
+    keep only the tokens the host appended, so a step launched ahead in vain leaves them as they were."""
     rows = to_device(previous_rows, torch.int64, last_tokens.device)
-    pending = rows >= 0
-    tokens = torch.where(pending, last_tokens[rows.clamp(min=0)], 0)
-    where = (torch.arange(len(previous_rows), device=rows.device), tokens)
-    seen = controls.seen
-    if seen is not None:
-        seen = seen.index_put(where, seen[where] | pending)
-    return replace(controls, output_counts=controls.output_counts.index_put(where, pending.float(), accumulate=True),
-                   seen=seen)
+    pending = (rows >= 0)[:, None]
+    token = torch.where(pending[:, 0], last_tokens[rows.clamp(min=0)], 0)[:, None]
+
+    def at_token(values: torch.Tensor | None) -> torch.Tensor | None:
+        return None if values is None else values.gather(1, token)
+
+    seen = at_token(controls.seen)
+    one_more = replace(controls, output_counts=at_token(controls.output_counts) + pending, bias=at_token(controls.bias),
+                       seen=None if seen is None else seen | pending)
+    return controls.apply(logits).scatter(1, token, one_more.apply(logits.gather(1, token)))
 
 
 @dataclass
@@ -227,7 +231,7 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
                                            [r.output_token_ids for r in requests], logits.shape[-1], logits.device,
                                            [r.logit_state for r in requests])
             if any(row >= 0 for row in batch.previous_rows):
-                controls = count_pending(controls, self.graphs.tokens, batch.previous_rows)
+                logits, controls = count_pending(controls, logits, self.graphs.tokens, batch.previous_rows), None
         token_ids, logprobs = self.sampler.draw(logits, batch.params, batch.output_positions, controls)
         self.graphs.tokens[: len(batch)] = token_ids
         pending = PendingLogprobs(logprobs, batch.params) if logprobs is not None else None

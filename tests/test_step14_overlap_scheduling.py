@@ -13,11 +13,11 @@ import torch
 from common.checks import staggered_generate
 from common.loading import LoadedModel
 from common.prompts import PARITY_PROMPTS
-from common.sampling import SamplingParams
+from common.sampling import LogitControls, SamplingParams
 from step07_preemption.engine import PreemptionEngine, PreemptionEngineConfig
 from step12_cuda_graph.decode_graphs import DecodeBatch, PendingTokens
 from step14_overlap_scheduling.engine import (LaunchAheadBatch, LaunchAheadInputs, OverlapSchedulingEngine,
-                                              OverlapSchedulingEngineConfig)
+                                              OverlapSchedulingEngineConfig, count_pending)
 from tests.helpers import (check_graphs_match_step06_on_cuda, first_difference, in_vocab, run_checked,
                            seeded_sampling_case, step01_tokens, tight_pool_case, tiny_with_small_vocab)
 
@@ -229,3 +229,22 @@ def test_captured_graphs_launched_ahead_match_step06_on_cuda(model: str) -> None
         return engine
 
     check_graphs_match_step06_on_cuda(model, make_engine)
+
+
+def test_count_pending_equals_the_controls_with_the_pending_token_appended() -> None:
+    """Row 0's pending token was drawn before, row 1's never, row 2 has none pending: the logits are those of the
+    controls built with each pending token appended to its row's output, bit for bit."""
+    vocab = 12
+    params = [SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3,
+                             logit_bias={3: 2.0}),
+              SamplingParams(frequency_penalty=0.9, repetition_penalty=0.8), SamplingParams(presence_penalty=1.1)]
+    prompts, outputs = [[1, 2], [4], [5]], [[3, 3, 7], [8], [9]]
+    last_tokens = torch.tensor([6, 3, 5, 10])  # what the step before drew, by its rows
+    previous_rows = [1, 3, -1]  # row 0's input is the 3 of row 1, row 1's the 10 of row 3
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    controls = LogitControls.build(params, prompts, outputs, vocab, torch.device("cpu"))
+    got = count_pending(controls, logits, last_tokens, previous_rows)
+    appended = [[3, 3, 7, 3], [8, 10], [9]]
+    expected = LogitControls.build(params, prompts, appended, vocab, torch.device("cpu")).apply(logits)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, controls.apply(logits))  # the pending tokens changed something
