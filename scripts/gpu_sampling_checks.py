@@ -6,9 +6,9 @@ its graphs, overlap, speculation off and on) against references on the same devi
 - prompt log-probabilities: HF's forward over the prompt within 1e-4, the first prompt's blocks cached before.
 
 Run from the repository root with PYTHONPATH=. on a CUDA machine; writes $OUT/sampling-checks.json (default runs/).
-The H100's record is results/gpu/h100-sampling-checks.json. What the same fields cost was measured beside it with
-`compare.py --sampling` (h100-sampling-cost-before.json, h100-sampling-cost-none.json and
-h100-sampling-cost-penalties-logprobs5.json); step08_serve/NOTES.md reads both.
+An H100's record is results/gpu/sampling-checks.json. What the same fields cost was measured beside it with
+`compare.py --sampling` (sampling-cost-before.json, sampling-cost-none.json and
+sampling-cost-penalties-logprobs5.json); step08_serve/NOTES.md reads both.
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ FIGURES = [
     ("kernel-bits", f"{GPU}/kernel-bits-old-new.json",  # row 0: step 06's decode kernel, bf16, one split
      lambda d: (0, f"bits against {d['old_commit'][:10]}", "the same" if d["same_bits"]["bfloat16/decode/1"]
                 else "other bits")),
-    ("sampling-checks", f"{GPU}/h100-sampling-checks.json",  # row 1: tiny-llama with speculation
+    ("sampling-checks", f"{GPU}/sampling-checks.json",  # row 1: tiny-llama with speculation
      lambda d: (1, "controls as defined",
                 f"{sum(v for k, v in d['controls'].items() if k.startswith('tiny-llama') and k.endswith('k=4'))} of 5")),
     ("oracle-sweep", f"{GPU}/speculative-sweep.json",  # row 1: batch 1, k = 4
