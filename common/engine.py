@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Sequence
@@ -26,6 +27,8 @@ from common.loading import EMBEDDED_MODEL, LoadedModel, load_model
 from common.prompt_logprobs import prompt_logprobs
 from common.request import Completion, Request, RequestOutput
 from common.sampling import Sampler, SamplingParams
+
+log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 
@@ -188,13 +191,18 @@ class Engine(ABC):
 
     def process_tokens(self, requests: Sequence[Request], token_ids: Sequence[int]) -> list[RequestOutput]:
         """Append each sampled token; retire the requests that finished. A request that asks for its prompt's
-        log-probabilities has its prompt scored first, with its first token (see `common.prompt_logprobs`)."""
+        log-probabilities has its prompt scored first, with its first token (see `common.prompt_logprobs`). A
+        request whose handling raises ends with the error (`Request.fail`); the others are not touched."""
         outputs = []
         for request, token_id in zip(requests, token_ids, strict=True):
-            if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
-                request.prompt_logprobs = prompt_logprobs(self.model, request.prompt_token_ids,
-                                                          request.params.prompt_logprobs)
-            out = request.append_token(token_id)
+            try:
+                if request.params.prompt_logprobs is not None and request.prompt_logprobs is None:
+                    request.prompt_logprobs = prompt_logprobs(self.model, request.prompt_token_ids,
+                                                              request.params.prompt_logprobs)
+                out = request.append_token(token_id)
+            except Exception as err:  # noqa: BLE001 - its text or stop check failed: it ends alone, the batch goes on
+                log.exception("request %s failed", request.request_id)
+                out = request.fail(err)
             if out.finished:
                 self.finish(request)
             outputs.append(out)

@@ -27,6 +27,7 @@ class FinishReason(str, Enum):
     STOP = "stop"  # end-of-sequence, a stop token or a stop string
     LENGTH = "length"  # max_tokens reached, or the model's context is full
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # its own processing failed (`Request.fail`); the other requests go on
 
 
 @dataclass
@@ -45,6 +46,7 @@ class RequestOutput:
     # On a request's first output, where it asks (`SamplingParams.prompt_logprobs`): one per prompt token, the first
     # None.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # what went wrong, where finish_reason is ERROR
 
 
 @dataclass
@@ -153,6 +155,13 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = FinishReason.ABORT
         return RequestOutput(self.request_id, [], "", True, FinishReason.ABORT, self.listener)
+
+    def fail(self, error: Exception) -> RequestOutput:
+        """End the request because handling its token raised `error`: it alone, with the error as its last output."""
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = FinishReason.ERROR
+        return RequestOutput(self.request_id, [], "", True, FinishReason.ERROR, self.listener,
+                             error=f"{type(error).__name__}: {error}")
 
     def _cut_at_stop_string(self) -> None:
         for stop in self.params.stop:

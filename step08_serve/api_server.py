@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from common.request import FinishReason, RequestOutput
 from common.sampling import TokenLogprob
 from common.tokenizer import Tokenizer
-from step08_serve.async_engine import AsyncEngine, EngineDeadError
+from step08_serve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from step08_serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -74,7 +74,7 @@ class OpenAIServer:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/profile", self.profile, methods=["POST"], dependencies=[Depends(self.authorize)])
-        for refusal in (RequestError, ValueError, EngineDeadError):
+        for refusal in (RequestError, ValueError, EngineDeadError, RequestFailedError):
             app.add_exception_handler(refusal, error_response)
         return app
 
@@ -473,8 +473,9 @@ async def stream_events(shape: ResponseShape, prompts: list[list[int]], first: t
                 yield sse(shape.chunk(index, out, first_of_choice))
         if include_usage:
             yield sse(shape.usage_chunk(usage(prompts, completion_tokens)))
-    except (EngineDeadError, ValueError) as err:  # after the stream began: an error event, not an HTTP status
-        yield sse(error_body(str(err), "server_error" if isinstance(err, EngineDeadError) else "invalid_request_error"))
+    except (EngineDeadError, RequestFailedError, ValueError) as err:  # after the stream began: an error event
+        kind = "invalid_request_error" if isinstance(err, ValueError) else "server_error"
+        yield sse(error_body(str(err), kind))
     finally:
         await outputs.aclose()  # a client that left mid-stream lands here: abort what is still running
     yield sse("[DONE]")
@@ -497,9 +498,11 @@ def sse(data: dict[str, Any] | str) -> str:
 async def error_response(_: Request, err: Exception) -> JSONResponse:
     """A refused request as the OpenAI error envelope: the app's handler for RequestError (400, or the status it
     names), any other ValueError (the engine refused the request, e.g. it could never fit in the KV cache:
-    400) and EngineDeadError (503)."""
+    400), EngineDeadError (503) and RequestFailedError (500: the engine failed on this request alone)."""
     if isinstance(err, EngineDeadError):
         err = RequestError(str(err), status=503, error_type="service_unavailable")
+    elif isinstance(err, RequestFailedError):  # this request alone: the server is fine
+        err = RequestError(str(err), status=500, error_type="server_error")
     elif not isinstance(err, RequestError):
         err = RequestError(str(err))
     headers = {"x-should-retry": "false"} if err.status >= 500 else None

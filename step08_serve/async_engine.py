@@ -40,6 +40,10 @@ class EngineDeadError(RuntimeError):
     """The step loop stopped on an error; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """Handling one request raised inside the engine (`Request.fail`): it ended alone, the others go on."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -96,6 +100,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(f"the engine failed on this request: {item.error}")
                 yield item
                 if finished:
                     return

@@ -16,6 +16,7 @@ after the decoders and the chunks, and free blocks (it never preempts anyone for
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ from step11_speculative_decoding.config import SpeculativeEngineConfig
 from step11_speculative_decoding.proposers import NgramProposer, Proposal, Proposer
 from step11_speculative_decoding.request import SpeculativeRequest
 from step11_speculative_decoding.verify import rejection_sample, target_probabilities
+
+log = logging.getLogger(__name__)
 
 # What a step costs, in decode steps. A plain step of T tokens costs 1 + T x decode token cost; a step that verifies
 # n proposals takes the verification path and costs 1 + step cost + (T + n) x token cost. Measured by
@@ -354,10 +357,14 @@ class SpeculativeEngine(PrefixCachingEngine):
         if not chunk.proposals:
             return self.process_tokens([request], tokens)[0]
         outputs = []
-        for token_id in tokens:
-            outputs.append(request.append_token(token_id))
-            if request.finished:
-                break
+        try:
+            for token_id in tokens:
+                outputs.append(request.append_token(token_id))
+                if request.finished:
+                    break
+        except Exception as err:  # noqa: BLE001 - as `Engine.process_tokens`: this request ends alone
+            log.exception("request %s failed", request.request_id)
+            outputs.append(request.fail(err))
         if request.finished:
             self.finish(request)
         else:
@@ -369,7 +376,7 @@ class SpeculativeEngine(PrefixCachingEngine):
             self.proposer.rollback(request)
         return RequestOutput(request.request_id, [t for o in outputs for t in o.new_token_ids],
                              "".join(o.new_text for o in outputs), outputs[-1].finished, outputs[-1].finish_reason,
-                             request.listener)
+                             request.listener, error=outputs[-1].error)
 
     # ----- the proposer's state goes where the request's does --------------------------------------------------
 
