@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from common.model import CausalLM, ForwardContext
-from common.sampling import TokenLogprob
+from common.sampling import TokenLogprob, largest
 
 HEAD_ROWS = 256  # the head's rows computed at once: a whole prompt's float32 logits could outgrow the device
 
@@ -43,7 +43,7 @@ def prompt_logprobs(model: CausalLM, prompt_ids: list[int], top: int) -> list[To
         logprobs = model.compute_logits(hidden[start : start + HEAD_ROWS]).log_softmax(dim=-1)
         following = ids[start + 1 : start + 1 + logprobs.shape[0]]
         chosen = logprobs.gather(-1, following[:, None])[:, 0].tolist()
-        top_values, top_ids = logprobs.topk(top, dim=-1)
+        top_values, top_ids = largest(logprobs, top)
         for token_id, logprob, values, alternatives in zip(following.tolist(), chosen, top_values.tolist(),
                                                            top_ids.tolist(), strict=True):
             scored.append(TokenLogprob(token_id, logprob, list(zip(alternatives, values, strict=True))))

@@ -212,6 +212,21 @@ def top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
 
 
+def largest(values: torch.Tensor, k: int, chunk: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values.topk(k, dim=-1)` for a few alternatives out of a long row, in about two reads of it instead of a
+    radix select's several. Each row is cut into chunks and each chunk's maximum taken: the k largest values lie in
+    the k chunks with the largest maxima (a chunk holding none of them has its maximum below all of them), so
+    only those k chunks are searched. Rows that do not cut evenly are searched whole."""
+    rows, width = values.shape
+    if k == 0 or width % chunk or width // chunk <= k:
+        return values.topk(k, dim=-1)
+    chunks = values.view(rows, width // chunk, chunk)
+    best_chunks = chunks.amax(dim=-1).topk(k, dim=-1).indices  # [rows, k]
+    candidates = chunks.gather(1, best_chunks[:, :, None].expand(rows, k, chunk)).view(rows, k * chunk)
+    top_values, where = candidates.topk(k, dim=-1)
+    return top_values, best_chunks.gather(1, where // chunk) * chunk + where % chunk
+
+
 class LogitState:
     """One request's penalty and bias inputs as device rows, kept from step to step: its prompt is marked once, and
     each step adds only the tokens drawn since the last (`counted`), so a step's cost does not grow with the text.
@@ -257,8 +272,10 @@ class LogitControls:
         drawn = [(i, t) for i in used for t in outputs[i][states[i].counted:]]
         prompt_pairs = [(i, t) for i in new_prompts if i in repeating for t in prompts[i]]
         pairs = to_device(drawn + prompt_pairs, torch.int64, device).reshape(-1, 2)
-        counts.index_put_((pairs[: len(drawn), 0], pairs[: len(drawn), 1]), torch.ones((), device=device),
-                          accumulate=True)
+        # An atomic add at each (row, token) of the flattened counts: a token drawn twice counts twice, with none
+        # of the sorting that index_put_(accumulate=True) does on a GPU (which costs as much as the step's top-k).
+        flat = pairs[: len(drawn), 0] * vocab_size + pairs[: len(drawn), 1]
+        counts.view(-1).index_add_(0, flat, torch.ones((), device=device).expand(len(drawn)))
         seen = None
         if repeating:
             unseen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
@@ -368,7 +385,7 @@ class LogprobRows:
             logits = logits / to_device(temperatures, torch.float32, logits.device)[:, None]
         logprobs = logits.log_softmax(dim=-1)
         chosen_ids = token_ids
-        top_values, top_ids = logprobs.topk(max(params[i].logprobs or 0 for i in asking), dim=-1)
+        top_values, top_ids = largest(logprobs, max(params[i].logprobs or 0 for i in asking))
         return cls(asking, chosen_ids, logprobs.gather(-1, chosen_ids[:, None])[:, 0], top_values, top_ids)
 
     def records(self, params: Sequence[SamplingParams]) -> list[TokenLogprob | None]:

@@ -14,7 +14,7 @@ from common.loading import LoadedModel
 from common.prompts import PARITY_PROMPTS
 from common.reference import hf_model_for, reference_logits
 from common.request import Request
-from common.sampling import Sampler, SamplingParams, TokenLogprob
+from common.sampling import Sampler, SamplingParams, TokenLogprob, largest
 from common.steps import STEPS, engine_class
 from tests.test_step08_serve import MODEL, Served, client, served  # noqa: F401 (fixtures)
 
@@ -95,6 +95,16 @@ def test_greedy_logprobs_match_hf_on_the_embedded_model(embedded: LoadedModel, e
     requests = run_with_logprobs(make_engine(embedded, STEPS[-1].name), [prompt],
                                  [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=TOP)])
     check_against_hf(embedded_hf, prompt, requests[0].output_token_ids, requests[0].output_logprobs)
+
+
+@pytest.mark.parametrize("width", [49152, 1000, 384])  # cut into 128-wide chunks; not evenly; too few chunks for k
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_largest_is_topk(width: int, k: int) -> None:
+    values = torch.randn(6, width, generator=torch.Generator().manual_seed(width + k))
+    values[0, :256] = 50 + torch.arange(256.0)  # the whole top in two neighbouring chunks
+    top_values, top_ids = largest(values, k)
+    expected_values, expected_ids = values.topk(k, dim=-1)
+    assert torch.equal(top_values, expected_values) and torch.equal(top_ids, expected_ids)
 
 
 def test_sampled_logprobs_are_of_the_tempered_distribution() -> None:
