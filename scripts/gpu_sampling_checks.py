@@ -3,7 +3,10 @@ its graphs, overlap, speculation off and on) against references on the same devi
 
 - penalties, bias and min_p: the tokens of a decode loop written from their definitions (tests/test_sampling_controls);
 - log-probabilities of greedy tokens: HF's log_softmax within 1e-4, the same top alternatives in order;
-- prompt log-probabilities: HF's forward over the prompt within 1e-4, the first prompt's blocks cached before.
+- prompt log-probabilities: HF's forward over the prompt within 1e-4, the first prompt's blocks cached before;
+- and two of the sampler's kernels timed against what they replaced, on a [64, 152,064] float32 batch (Qwen2.5's
+  vocabulary): the top 5 by `largest()` against `torch.topk`, the counts grown by `index_add_` against
+  `index_put_(accumulate=True)`.
 
 Run from the repository root with PYTHONPATH=. on a CUDA machine; writes $OUT/sampling-checks.json (default runs/).
 An H100's record is results/gpu/sampling-checks.json. What the same fields cost was measured beside it with
@@ -22,7 +25,7 @@ import torch
 from common.bench import evidence_header
 from common.loading import load_model
 from common.reference import hf_model_for, reference_logits
-from common.sampling import SamplingParams
+from common.sampling import SamplingParams, largest
 from common.steps import STEPS
 from tests import test_logprobs, test_sampling_controls
 
@@ -45,8 +48,42 @@ def worst_difference(records, rows, token_ids) -> tuple[float, bool]:  # noqa: A
     return worst, same
 
 
+def microseconds(work, repeats: int = 50) -> float:  # noqa: ANN001
+    """The mean time of `work()` on the GPU, after a warm-up."""
+    for _ in range(5):
+        work()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        work()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) / repeats * 1e3, 1)
+
+
+def sampler_kernels(rows: int = 64, vocab: int = 152064, k: int = 5) -> dict:
+    """The two kernels the sampler changed, timed against what they replaced on one batch of logits."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(rows, vocab, device="cuda", generator=generator)
+    counts = torch.zeros(rows, vocab, device="cuda")
+    row_ids = torch.arange(rows, device="cuda")  # one new token per row, as in a decode step
+    token_ids = torch.randint(0, vocab, (rows,), device="cuda", generator=generator)
+    one = torch.ones((), device="cuda")
+    ours, theirs = largest(logits, k), logits.topk(k, dim=-1)
+    return {
+        "shape": [rows, vocab], "k": k,
+        "largest_us": microseconds(lambda: largest(logits, k)),
+        "topk_us": microseconds(lambda: logits.topk(k, dim=-1)),
+        "largest_equals_topk": torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1]),
+        "index_add_us": microseconds(lambda: counts.view(-1).index_add_(0, row_ids * vocab + token_ids,
+                                                                        one.expand(rows))),
+        "index_put_accumulate_us": microseconds(lambda: counts.index_put_((row_ids, token_ids), one, accumulate=True)),
+    }
+
+
 def main() -> None:
-    results: dict[str, dict] = {"controls": {}, "logprobs": {}, "prompt_logprobs": {}}
+    results: dict[str, dict] = {"controls": {}, "logprobs": {}, "prompt_logprobs": {},
+                                "sampler_kernels": sampler_kernels()}
     for model in MODELS:
         loaded = load_model(model, device="cuda")
         hf = hf_model_for(loaded)
