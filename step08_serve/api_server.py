@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from common.request import FinishReason, RequestOutput
 from common.sampling import TokenLogprob
 from common.tokenizer import Tokenizer
-from step08_serve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from step08_serve.async_engine import AsyncEngine, RequestFailedError, SlowReaderError, UnavailableError
 from step08_serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -63,6 +63,7 @@ class OpenAIServer:
 
     def build_app(self) -> FastAPI:
         app = FastAPI(title="llm-serving-steps", lifespan=self.lifespan)
+        app.state.async_engine = self.async_engine  # for the launcher's graceful shutdown
         # The API key is checked by a dependency of each /v1 route, not by an HTTP middleware: Starlette's
         # middleware wrapper hides client disconnects from the handler, and disconnects are how abandoned
         # requests get aborted.
@@ -74,7 +75,7 @@ class OpenAIServer:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/profile", self.profile, methods=["POST"], dependencies=[Depends(self.authorize)])
-        for refusal in (RequestError, ValueError, EngineDeadError, RequestFailedError):
+        for refusal in (RequestError, ValueError, UnavailableError, RequestFailedError):
             app.add_exception_handler(refusal, error_response)
         return app
 
@@ -108,9 +109,11 @@ class OpenAIServer:
         }]})
 
     async def health(self) -> Response:
-        if self.async_engine.alive:
+        """200 while requests are taken; 503, saying why, once the engine failed or the server is shutting down."""
+        refusal = self.async_engine.unavailable()
+        if refusal is None:
             return JSONResponse({"status": "ok"})
-        return JSONResponse(error_body("the engine loop is not running", "service_unavailable"), status_code=503)
+        return JSONResponse(error_body(str(refusal), "service_unavailable"), status_code=503)
 
     async def metrics(self) -> Response:
         return Response(self.async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -388,8 +391,9 @@ def usage(prompts: list[list[int]], completion_tokens: int) -> dict[str, int]:
 
 
 async def merged(streams: Streams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several engine requests as they come, tagged with their choice index."""
-    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+    """Outputs of several engine requests as they come, tagged with their choice index. The queue is short: a
+    reader that falls behind leaves the outputs waiting in the engine's queues, where `AsyncEngine` bounds them."""
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue(maxsize=2 * len(streams))
     tasks = [asyncio.create_task(pump(index, stream, queue)) for index, stream in streams]
     try:
         remaining = len(tasks)
@@ -412,10 +416,10 @@ async def pump(index: int, stream: AsyncIterator[RequestOutput],
     """Move one engine request's outputs into the shared queue; None when it ends, or the error it raised."""
     try:
         async for out in stream:
-            queue.put_nowait((index, out))
-        queue.put_nowait(None)
+            await queue.put((index, out))
+        await queue.put(None)
     except Exception as err:  # hand the error to the reader
-        queue.put_nowait(err)
+        await queue.put(err)
 
 
 async def collect(streams: Streams) -> list[ChoiceResult]:
@@ -473,7 +477,7 @@ async def stream_events(shape: ResponseShape, prompts: list[list[int]], first: t
                 yield sse(shape.chunk(index, out, first_of_choice))
         if include_usage:
             yield sse(shape.usage_chunk(usage(prompts, completion_tokens)))
-    except (EngineDeadError, RequestFailedError, ValueError) as err:  # after the stream began: an error event
+    except (UnavailableError, RequestFailedError, SlowReaderError, ValueError) as err:  # begun: an error event
         kind = "invalid_request_error" if isinstance(err, ValueError) else "server_error"
         yield sse(error_body(str(err), kind))
     finally:
@@ -498,8 +502,9 @@ def sse(data: dict[str, Any] | str) -> str:
 async def error_response(_: Request, err: Exception) -> JSONResponse:
     """A refused request as the OpenAI error envelope: the app's handler for RequestError (400, or the status it
     names), any other ValueError (the engine refused the request, e.g. it could never fit in the KV cache:
-    400), EngineDeadError (503) and RequestFailedError (500: the engine failed on this request alone)."""
-    if isinstance(err, EngineDeadError):
+    400), UnavailableError (503: the engine failed, or the server is shutting down) and RequestFailedError (500:
+    the engine failed on this request alone)."""
+    if isinstance(err, UnavailableError):
         err = RequestError(str(err), status=503, error_type="service_unavailable")
     elif isinstance(err, RequestFailedError):  # this request alone: the server is fine
         err = RequestError(str(err), status=500, error_type="server_error")

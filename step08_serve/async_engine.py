@@ -12,6 +12,16 @@ finds the queue without a map of request ids.
 The ordering that matters: a request's output queue is registered *before* its add command is queued.
 The other way round, a fast engine could produce the first token before anyone listens for it, and the
 token would be dropped (the registration race).
+
+What can go wrong, and what each costs:
+- one request's handling raises inside the engine (`Request.fail`): that request alone ends with an error;
+- the step itself raises (an out-of-memory error in a forward, a bug): every request in flight ends with a 503,
+  the engine frees what they held, and the server takes no more (`/health` says so at once): a supervisor
+  restarts it, since the state of a half-run step cannot be trusted;
+- a client stops reading its stream: the step loop never waits for it, and once `max_queued_outputs` outputs wait
+  for it unread its request is aborted (`SlowReaderError`);
+- shutdown (`shutdown`): no new request is taken, those in flight may finish for a grace period, the rest end
+  with an error their clients can read.
 """
 
 from __future__ import annotations
@@ -36,8 +46,20 @@ if TYPE_CHECKING:  # the profiler loads only when a profile is asked for
 log = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
+class UnavailableError(RuntimeError):
+    """No request can be served now (a 503)."""
+
+
+class EngineDeadError(UnavailableError):
     """The step loop stopped on an error; no request can be served."""
+
+
+class ShuttingDownError(UnavailableError):
+    """The server is shutting down: it takes no new request, and ends those still running after a grace period."""
+
+
+class SlowReaderError(RuntimeError):
+    """The client read its stream so slowly that too many outputs waited for it: its request was aborted."""
 
 
 class RequestFailedError(RuntimeError):
@@ -45,8 +67,9 @@ class RequestFailedError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, max_queued_outputs: int = 4096) -> None:
         self.engine = engine
+        self.max_queued_outputs = max_queued_outputs  # unread outputs a stream may hold before it is dropped
         self.metrics = ServingMetrics(engine, self.num_open_streams)  # counted by the step thread, read by /metrics
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -54,6 +77,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.draining = False  # shutting down: no new request is taken
         self.error: BaseException | None = None
         self._profiling: _Profiling | None = None  # POST /profile: the next steps run under the profiler (step 05)
 
@@ -79,14 +103,45 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    def unavailable(self) -> UnavailableError | None:
+        """Why no request can be served now, or None if one can (what `/health` answers)."""
+        if self.error is not None:
+            return EngineDeadError(f"the engine step failed ({type(self.error).__name__}: {self.error}); this "
+                                   "server takes no more requests: restart it")
+        if not self.alive:
+            return EngineDeadError("the engine loop is not running")
+        if self.draining:
+            return ShuttingDownError("the server is shutting down: send the request to another server, or retry "
+                                     "once it is back")
+        return None
+
+    async def shutdown(self, grace_s: float, settle_s: float = 5.0) -> None:
+        """Stop taking requests; let those in flight finish for up to `grace_s` seconds; then end the rest with
+        `ShuttingDownError` (their handlers answer it: an error event, or a 503) and give their handlers up to
+        `settle_s` seconds to let go, which aborts their engine requests."""
+        assert self._loop is not None
+        self.draining = True
+        deadline = self._loop.time() + grace_s
+        while self._open and self._loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._open:
+            log.warning("shutdown: ending %d requests still running after the %.1f s grace period",
+                        len(self._open), grace_s)
+            self._fail_all(ShuttingDownError(f"the server shut down before this request finished (it waited "
+                                             f"{grace_s:g} s)"))
+        deadline = self._loop.time() + settle_s
+        while self._open and self._loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
     # ----- what handlers call --------------------------------------------------------------------------
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs. Leaving early (client gone, task cancelled) aborts the request."""
-        if not self.alive:
-            raise EngineDeadError("the engine loop is not running")
+        refusal = self.unavailable()
+        if refusal is not None:
+            raise refusal
         assert self._loop is not None
         served = Served()
         self._open.add(served)  # registered before the add: no output can arrive unheard
@@ -113,8 +168,9 @@ class AsyncEngine:
     async def profile(self, steps: int) -> dict:
         """Profile the next `steps` steps the loop takes (step 05): the trace's path, and the table of where
         their time went. Steps are taken only while requests run: this waits for traffic."""
-        if not self.alive:
-            raise EngineDeadError("the engine loop is not running")
+        refusal = self.unavailable()
+        if refusal is not None:
+            raise refusal
         assert self._loop is not None
         done: asyncio.Future[dict] = self._loop.create_future()
         self._submit(lambda: self._start_profile(steps, done))
@@ -187,7 +243,17 @@ class AsyncEngine:
         except BaseException as err:  # a dead loop must fail every waiting request, not hang them
             log.exception("engine step loop failed")
             self.error = err
-            self._call_in_loop(self._fail_all, EngineDeadError(f"the engine loop failed: {type(err).__name__}"))
+            self._free_all()
+            self._call_in_loop(self._fail_all, self.unavailable())
+
+    def _free_all(self) -> None:
+        """After a failed step: abort every request the engine holds, so that their KV blocks and any memory
+        they hold are given back (the server takes no more; what it held is released all the same)."""
+        for request_id in list(self.engine.requests):
+            try:
+                self._abort(request_id)
+            except Exception:  # noqa: BLE001 (a broken request must not keep the others' memory)
+                log.exception("could not free request %s after the failed step", request_id)
 
     def _record(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -212,8 +278,25 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            if out.listener in self._open:  # its handler still listens
-                out.listener.stream.put_nowait(out)
+            served = out.listener
+            if served not in self._open:  # its handler no longer listens
+                continue
+            if served.stream.qsize() >= self.max_queued_outputs:  # its client does not read: drop it
+                self._drop_slow_reader(served, out.request_id)
+                continue
+            served.stream.put_nowait(out)
+
+    def _drop_slow_reader(self, served: Served, request_id: str) -> None:
+        """Abort the request, forget what waits unread, and leave the error for its handler, if it reads again."""
+        log.warning("request %s: %d outputs waited unread; its client is dropped", request_id,
+                    served.stream.qsize())
+        self._open.discard(served)
+        while not served.stream.empty():
+            served.stream.get_nowait()
+        served.stream.put_nowait(SlowReaderError(f"more than {self.max_queued_outputs} outputs waited unread for "
+                                                 "this stream: the request was aborted"))
+        self.metrics.slow_readers_dropped.inc()
+        self._submit(lambda: self._abort(request_id))
 
     def _fail_all(self, error: BaseException) -> None:
         for served in self._open:

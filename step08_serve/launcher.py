@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import signal
 import socket
 import threading
 import time
@@ -12,6 +14,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for the annotations only: run.py reads DEFAULT_STEP before anything heavy loads
     from fastapi import FastAPI
+
+    from step08_serve.async_engine import AsyncEngine
 
 # The server drives any step of common/steps.py (`--step`). The default is the most capable step for the
 # device: on a GPU, the final engine, step 15 (graphs, fused decode, the host overlapped; `--batch-invariant` off
@@ -54,3 +58,30 @@ def running_server(app: FastAPI, host: str = "127.0.0.1", port: int | None = Non
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def serve(app: FastAPI, async_engine: AsyncEngine, host: str, port: int, grace_s: float) -> None:
+    """Serve `app` until SIGTERM or Ctrl-C, then shut down gracefully: `/health` turns 503 and new requests are
+    refused at once; those in flight may finish for up to `grace_s` seconds; the rest end with an error their
+    clients read (an error event, or a 503); then the engine stops and the process exits 0. A second signal
+    stops at once."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            if self.draining or async_engine.unavailable() is not None:  # a second signal, or nothing to drain
+                self.should_exit = self.force_exit = True
+                return
+            self.draining = True
+            print(f"[serve] signal {signal.Signals(sig).name}: no new requests; those running get {grace_s:g} s "
+                  "to finish", flush=True)
+            loop = asyncio.get_running_loop()  # the handler runs on the loop's thread, between its callbacks
+            loop.call_soon_threadsafe(lambda: loop.create_task(self.drain()))
+
+        async def drain(self) -> None:
+            await async_engine.shutdown(grace_s)
+            self.should_exit = True  # uvicorn closes the connections, then the app's lifespan stops the engine
+
+    DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="info")).run()

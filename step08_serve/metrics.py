@@ -60,6 +60,8 @@ class ServingMetrics:
         self.requests_finished = Counter("llm_requests_finished", "Requests that finished.", registry=self.registry)
         self.requests_aborted = Counter("llm_requests_aborted", "Requests aborted (client gone).",
                                         registry=self.registry)
+        self.slow_readers_dropped = Counter("llm_slow_readers_dropped", "Streams dropped: too many outputs unread.",
+                                            registry=self.registry)
         self.generation_tokens = Counter("llm_generation_tokens", "Tokens generated.", registry=self.registry)
         self.engine_steps = Counter("llm_engine_steps", "Engine steps run.", registry=self.registry)
         self.ttft_seconds = Histogram("llm_time_to_first_token_seconds", "Time to first token.",

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from common.cli import CommandLineError, Parser, at_least, check_args, fail
 from common.config import EMBEDDED_MODEL, model_names_help
 from common.steps import STEP_NAMES, engine_class, find_step
-from step08_serve.launcher import DEFAULT_STEP, default_step, running_server
+from step08_serve.launcher import DEFAULT_STEP, default_step, running_server, serve
 
 if TYPE_CHECKING:  # for the annotations only: the command line is checked before the engine and server load
     from fastapi import FastAPI
@@ -71,6 +71,10 @@ def build_parser(step: str) -> argparse.ArgumentParser:
     server.add_argument("--port", type=int, default=8000, help="1 to 65535 (default 8000)")
     server.add_argument("--api-key", default=os.environ.get("LLM_STEPS_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $LLM_STEPS_API_KEY)")
+    server.add_argument("--shutdown-grace", type=at_least(0, float), default=30.0, metavar="SECONDS",
+                        help="on SIGTERM or Ctrl-C, how long requests in flight may still run (default 30)")
+    server.add_argument("--max-queued-outputs", type=at_least(1), default=4096,
+                        help="outputs a stream may leave unread before its request is aborted (default 4096)")
     server.add_argument("--dry-run", action="store_true",
                         help="serve a tiny model in-process and call it with the openai SDK")
     add_engine_arguments(p, step)
@@ -102,7 +106,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     from step08_serve.api_server import create_app  # these load torch and the web framework: not for --help
     from step08_serve.async_engine import AsyncEngine
 
-    async_engine = AsyncEngine(build_engine(args))
+    async_engine = AsyncEngine(build_engine(args), args.max_queued_outputs)
     return create_app(async_engine, args.served_model_name or args.model, args.model, args.api_key)
 
 
@@ -136,8 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     except CommandLineError as err:
         return fail(err)
     # Only now, with the command line accepted, do torch, transformers, the engine and the server load.
-    import uvicorn
-
     from common.loading import ModelLoadError
 
     try:
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, ValueError) as err:
         return fail(err)
     print(f"serving {args.model} with {args.step} on http://{args.host}:{args.port}/v1")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    serve(app, app.state.async_engine, args.host, args.port, args.shutdown_grace)
     return 0
 
 
