@@ -82,6 +82,15 @@ def load_model(
     return LoadedModel(name, load_checkpoint(folder, config, device, dtype), tokenizer, folder)
 
 
+def load_tokenizer(name: str = EMBEDDED_MODEL) -> Tokenizer:
+    """The tokenizer of the model `name` names, as `load_model` would give it, without the weights: for a client
+    that only builds prompts (step 08's open-loop benchmark). A Hugging Face id is fetched as `load_model` does."""
+    if name == EMBEDDED_MODEL or name.startswith(("tiny-", "random:")):
+        return embedded_tokenizer()  # its files alone, where the cache has them
+    folder = resolve_checkpoint_dir(name)
+    return read_tokenizer(folder, read_config(folder))
+
+
 def resolve_checkpoint_dir(name: str) -> Path:
     """The local folder holding the checkpoint `name` names (converting or downloading it if needed)."""
     if name == EMBEDDED_MODEL:
@@ -202,22 +211,23 @@ def load_checkpoint(folder: Path, config: ModelConfig, device: torch.device, dty
     return attach_weights(model, tensors(), device)
 
 
-def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    """Seeded random weights, generated on the target device (fast even for 7B on a GPU)."""
+def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Seeded random weights under their checkpoint names, one tensor at a time, generated on `device`."""
     model = build_on_meta(config)
     generator = torch.Generator(device=device).manual_seed(seed)
-    names = sorted(expected_weight_names(model))
+    for name in sorted(expected_weight_names(model)):
+        shape = model.get_parameter(name).shape
+        if "norm" in name:  # RMSNorm weights start near one, like a trained model's
+            t = 1.0 + 0.1 * torch.randn(shape, generator=generator, device=device)
+        else:
+            t = 0.02 * torch.randn(shape, generator=generator, device=device)
+        yield name, t.to(dtype)
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for name in names:
-            shape = model.get_parameter(name).shape
-            if "norm" in name:  # RMSNorm weights start near one, like a trained model's
-                t = 1.0 + 0.1 * torch.randn(shape, generator=generator, device=device)
-            else:
-                t = 0.02 * torch.randn(shape, generator=generator, device=device)
-            yield name, t.to(dtype)
 
-    return attach_weights(model, tensors(), device)
+def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+    """Seeded random weights, generated on the target device (fast even for 7B on a GPU)."""
+    return attach_weights(build_on_meta(config), random_weights(config, device, dtype, seed), device)
 
 
 def embedded_gguf_path() -> Path:
@@ -269,9 +279,12 @@ def embedded_tokenizer() -> Tokenizer:
     """The embedded model's tokenizer, shared by the tiny and random models (their vocab covers it)."""
     global _embedded_tokenizer
     if _embedded_tokenizer is None:
-        folder = cache_dir() / EMBEDDED_MODEL
-        # The tokenizer files alone are enough here: a GPU machine without the package can carry just them.
-        if not (folder / "tokenizer.json").is_file():
-            folder = embedded_model_dir()
-        _embedded_tokenizer = Tokenizer.from_dir(folder, eos_token_ids=(2,))
+        _embedded_tokenizer = Tokenizer.from_dir(embedded_tokenizer_dir(), eos_token_ids=(2,))
     return _embedded_tokenizer
+
+
+def embedded_tokenizer_dir() -> Path:
+    """A folder holding the embedded model's tokenizer files. The files alone are enough: a GPU machine without
+    the package can carry just them in the cache; else the converted model's folder."""
+    folder = cache_dir() / EMBEDDED_MODEL
+    return folder if (folder / "tokenizer.json").is_file() else embedded_model_dir()

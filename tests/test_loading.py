@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
 from common.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError, bundled_config_names
 from common.engine import EngineConfig, PromptTooLongError
-from common.loading import EMBEDDED_MODEL, LoadedModel, ModelLoadError, cache_dir, embedded_model_dir, load_model
+from common.loading import LoadedModel, ModelLoadError, embedded_tokenizer_dir, load_model
+from common.reference import hf_model_for, reference_logits
 from common.request import FinishReason
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
@@ -21,14 +23,6 @@ from step01_serial.engine import SerialEngine
 from step01_serial.kv_cache import ContiguousForward, ContiguousKVCache
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-
-
-def tokenizer_files_dir() -> Path:
-    """Where the embedded tokenizer's files are, as `embedded_tokenizer()` looks for them: the cache's copy of
-    the files alone where there is one (a GPU machine carries only those, without the package that holds the
-    weights), else the embedded model's converted folder."""
-    folder = cache_dir() / EMBEDDED_MODEL
-    return folder if (folder / "tokenizer.json").is_file() else embedded_model_dir()
 
 
 def write_checkpoint(folder: Path, loaded: LoadedModel, tensors: dict[str, torch.Tensor] | None = None) -> Path:
@@ -39,7 +33,7 @@ def write_checkpoint(folder: Path, loaded: LoadedModel, tensors: dict[str, torch
         tensors = checkpoint_tensors(loaded)
     save_file(tensors, str(folder / "model.safetensors"))
     for name in _TOKENIZER_FILES:
-        shutil.copy(tokenizer_files_dir() / name, folder / name)
+        shutil.copy(embedded_tokenizer_dir() / name, folder / name)
     return folder
 
 
@@ -229,3 +223,20 @@ def test_broken_config_json_names_the_file(tmp_path: Path, config_text: str) -> 
     (tmp_path / "config.json").write_text(config_text)
     with pytest.raises(ModelLoadError, match=re.escape(str(tmp_path))):
         load_model(str(tmp_path))
+
+
+def test_a_written_random_checkpoint_loads_as_the_same_weights(tmp_path: Path) -> None:
+    """scripts/write_random_checkpoint.py: the folder (sharded, with its index) holds the weights `tiny-qwen2` is
+    generated with, and loads here and in transformers alike."""
+    from scripts.write_random_checkpoint import write_checkpoint
+
+    shards = write_checkpoint("tiny-qwen2", tmp_path, torch.device("cpu"), torch.float32, shard_bytes=2**20)
+    assert len(shards) > 1  # sharded: the index must name each tensor's file
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    ours, written = load_model("tiny-qwen2"), load_model(str(tmp_path))
+    for (name, a), (_, b) in zip(ours.model.state_dict().items(), written.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 300, 2024]])
+    assert torch.allclose(hf(ids).logits, reference_logits(hf_model_for(ours), ids[0].tolist())[None], atol=1e-5)
