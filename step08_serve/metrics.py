@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -54,6 +62,7 @@ class ServingMetrics:
     def __init__(self, engine: Engine, open_streams: Callable[[], int]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineStats(engine))
+        ProcessCollector(registry=self.registry)  # the process's resident memory and CPU time: a leak shows here
         Gauge("llm_open_streams", "HTTP-side request queues open.", registry=self.registry).set_function(open_streams)
         # Counted by the step loop.
         self.requests_added = Counter("llm_requests_added", "Requests that reached the engine.", registry=self.registry)

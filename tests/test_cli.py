@@ -339,6 +339,7 @@ def test_runs_is_ignored_by_git() -> None:
 
 BENCH_SCRIPTS = ["common/cli.py", "compare.py", "step06_paged_attention/bench/kernel_bench.py",
                  "step07_preemption/bench/bench_preempt.py", "step08_serve/bench/bench_serve.py",
+                 "step08_serve/bench/bench_open_loop.py", "step08_serve/bench/soak.py",
                  "step13_fused_decode/bench/profile_step.py", "step13_fused_decode/bench/matmul_bench.py",
                  "step14_overlap_scheduling/bench/bench_host.py",
                  "step09_chunked_prefill/bench/bench_long_prompt.py",

@@ -106,10 +106,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                        help="evidence file (default runs/step08_serve/serve-<device>-<model>.json)")
 
 
-def build_parser(step: str) -> argparse.ArgumentParser:
+def build_parser(step: str, add_own_arguments: Callable[[argparse.ArgumentParser], None] = add_bench_arguments,
+                 description: str | None = __doc__) -> argparse.ArgumentParser:
+    """A benchmark's own flags (these, or another benchmark's), then the engine's that the server is started with."""
     # No abbreviated flags: `engine_argv` tells the benchmark's flags from the engine's by their full names.
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    add_bench_arguments(p)
+    p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    add_own_arguments(p)
     add_engine_arguments(p, step)
     return p
 
