@@ -55,6 +55,19 @@ def render_serve(path: str, doc: Doc) -> list[str]:
     return markdown(header, rows, text_columns=0)
 
 
+def render_open_loop(path: str, doc: Doc) -> list[str]:
+    """step08_serve/bench/bench_open_loop.py: per offered rate, the requests completed a second, TTFT and TPOT at p50
+    and p99, and goodput (the requests within both targets, a second and as a share)."""
+    def p50_p99(stats: Doc | None, digits: int) -> str:
+        return "-" if stats is None else f"{stats['p50']:,.{digits}f} / {stats['p99']:,.{digits}f}"
+
+    rows = [["all at once" if r["request_rate"] == "inf" else f"{r['request_rate']:g}", f"{r['request_throughput']:.2f}",
+             p50_p99(r["ttft_ms"], 0), p50_p99(r["tpot_ms"], 1),
+             f"{r['goodput_req_per_s']:.2f} ({r['goodput_share']:.0%})", str(r["failed"])] for r in doc["runs"]]
+    return markdown(["offered req/s", "completed req/s", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "goodput req/s",
+                     "failed"], rows, text_columns=1)
+
+
 def budget_label(row: Doc) -> str:
     """A budget as bench_long_prompt.py names it, with the number the engine chose for "default"."""
     if row["budget"] == "default" and row.get("budget_tokens"):
@@ -471,6 +484,7 @@ RENDERERS = (
     Renderer("preempt", lambda doc: "preempt" in first(doc, "runs"), render_preempt),
     Renderer("serve", lambda doc: "concurrency" in first(doc, "runs"), render_serve),
     Renderer("burst-serve", lambda doc: "burst" in first(doc, "runs"), render_burst_serve),
+    Renderer("open-loop", lambda doc: "goodput_req_per_s" in first(doc, "runs"), render_open_loop),
     Renderer("prefix", lambda doc: "scenario" in first(doc, "runs"), render_prefix),
     Renderer("stall", lambda doc: bool(first(doc, "stall")), render_stall),
     Renderer("burst", lambda doc: bool(first(doc, "burst")), render_burst),
@@ -491,7 +505,8 @@ RENDERERS = (
     Renderer("step-breakdown", lambda doc: "breakdown_ms" in first(doc, "rows"), render_step_breakdown),
     Renderer("kernel-bits", lambda doc: "same_bits" in doc, render_kernel_bits),
     Renderer("invariance-probe", lambda doc: "as_in" in first(doc, "results"), render_invariance_probe),
-    Renderer("invariance", lambda doc: any(part in doc for part in INVARIANCE_PARTS), render_invariance),
+    Renderer("invariance", lambda doc: any(isinstance(doc.get(part), dict) for part in INVARIANCE_PARTS),
+             render_invariance),
     Renderer("invariance-cost", lambda doc: "on_vs_off" in doc.get("speed", {}), render_invariance_cost),
     Renderer("invariance-matmul", lambda doc: "engine_tile" in first(doc, "matmul"), render_invariance_matmul),
     Renderer("sampling-checks", lambda doc: "prompt_logprobs" in doc and "controls" in doc, render_sampling_checks),

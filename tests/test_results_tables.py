@@ -107,6 +107,8 @@ FIGURES = [
     ("preempt", "results/gpu/preempt.json", swap_bandwidth),
     ("serve", f"{GPU}/serve-step07.json",
      lambda d: (2, "vs concurrency 1", f"{d['runs'][2]['output_tok_per_s'] / d['runs'][0]['output_tok_per_s']:.2f}x")),
+    ("open-loop", f"{GPU}/open-loop-step15.json",
+     lambda d: (3, "goodput req/s", f"{d['runs'][3]['goodput_req_per_s']:.2f} ({d['runs'][3]['goodput_share']:.0%})")),
     ("burst-serve", f"{GPU}/burst-serve.json",
      lambda d: (1, "TTFT median", f"{d['runs'][1]['ttft_ms_p50'] / 1e3:.1f} s")),
     ("prefix", f"{GPU}/prefix-step10.json", prefix_computed),

@@ -27,7 +27,8 @@ def describe(doc: dict[str, Any]) -> str:
     """Which server and machine a file speaks for, for the figure's title."""
     commit = str(doc.get("git_commit", "unknown"))[:10] + (" (uncommitted changes)" if doc.get("git_dirty") else "")
     where = doc.get("base_url") if doc.get("server") == "external" else doc.get("step")
-    return f"{doc['label']}: {doc['model']} ({where}), {doc['dtype']}, {doc['device']}, commit {commit}"
+    early = "" if doc["workload"].get("ignore_eos", True) else ", without ignore_eos"
+    return f"{doc['label']}: {doc['model']} ({where}{early}), {doc['dtype']}, {doc['device']}, commit {commit}"
 
 
 def workload_note(doc: dict[str, Any]) -> str:
@@ -45,9 +46,10 @@ def write_plot(files: list[str | Path], output: str | Path) -> Path:
     docs = [load(f) for f in files]
     if len({json.dumps(doc["goodput"], sort_keys=True) for doc in docs}) > 1:
         raise SystemExit("these files have different goodput targets: their goodput does not compare")
-    # The rates may differ from file to file; what each request asked for may not.
-    if len({json.dumps({k: v for k, v in doc["workload"].items() if k != "request_rates"}, sort_keys=True)
-            for doc in docs}) > 1:
+    # The rates may differ from file to file; what each request asked for may not. Whether `ignore_eos` was sent
+    # may: a peer that refuses the field is asked the same lengths, and `describe` says it may have ended early.
+    if len({json.dumps({k: v for k, v in doc["workload"].items() if k not in ("request_rates", "ignore_eos")},
+                       sort_keys=True) for doc in docs}) > 1:
         raise SystemExit("these files ran different workloads (lengths, seed, tokenizer): "
                          "their latencies do not compare")
     finite = sorted({r["request_rate"] for doc in docs for r in doc["runs"] if r["request_rate"] != "inf"})
