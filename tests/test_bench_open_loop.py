@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from common.loading import load_model
+from common.sampling import SamplingParams
 from scripts import plot_open_loop
 from step08_serve.bench import bench_open_loop
 from step08_serve.bench.bench_open_loop import draw_lengths, poisson_arrivals
@@ -170,3 +171,26 @@ def test_plot_draws_two_files_side_by_side(peer: tuple[Served, str], tmp_path: P
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="different goodput targets"):
         write_plot([runs["ours"], tmp_path / "other.json"], tmp_path / "refused.png")
+
+
+def test_without_ignore_eos_the_field_is_not_sent(peer: tuple[Served, str], tmp_path: Path) -> None:
+    """--no-ignore-eos, for a peer that refuses the field: the requests go without it, and the evidence says so."""
+    served, url = peer
+    add = served.engine.add_request
+    seen: list[SamplingParams] = []
+
+    def recording_add(prompt, params, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(params)
+        return add(prompt, params, *args, **kwargs)
+
+    served.engine.add_request = recording_add  # type: ignore[method-assign]
+    out = tmp_path / "no-ignore-eos.json"
+    try:
+        assert bench_open_loop.main(["--base-url", url, "--served-model", "peer-model", "--model", "tiny-qwen2",
+                                     "--device", "cpu", "--request-rates", "inf", *TINY_WORKLOAD, "--no-ignore-eos",
+                                     "--output", str(out)]) == 0
+    finally:
+        served.engine.add_request = add  # type: ignore[method-assign]
+    doc = evidence(out)
+    assert doc["workload"]["ignore_eos"] is False and seen and not any(p.ignore_eos for p in seen)
+    assert doc["runs"][0]["completed"] + doc["runs"][0]["failed"] == 12
