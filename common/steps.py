@@ -64,6 +64,8 @@ STEPS: tuple[Step, ...] = (
          "step14_overlap_scheduling.engine:OverlapSchedulingEngine"),
     Step("step15_batch_invariant", "a request's tokens and logits bit for bit the same, whatever else is in its batch",
          "step15_batch_invariant.engine:BatchInvariantEngine"),
+    Step("step16_structured_output", "output held to a JSON schema, a regular expression or choices, token by token",
+         "step16_structured_output.engine:StructuredOutputEngine"),
 )
 STEP_NAMES: tuple[str, ...] = tuple(step.name for step in STEPS)
 

@@ -1,0 +1,128 @@
+"""Step 16: output held to a grammar. Every constrained output parses and validates; greedy tokens equal HF's logits
+masked by the same matcher, step by step; a format that cannot be enforced, or an engine that cannot enforce it,
+is refused with a message that says so."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from common.loading import LoadedModel
+from common.prompts import PARITY_PROMPTS
+from common.reference import hf_model_for, reference_logits
+from common.sampling import SamplingParams, StructuredOutput
+from step16_structured_output.bitmask import allowed_tokens, apply_token_bitmask
+from step16_structured_output.engine import StructuredOutputEngine, StructuredOutputEngineConfig
+from step16_structured_output.grammar import GrammarCompiler, GrammarError
+from tests.test_sampling_controls import ALWAYS_PROPOSE, make_engine
+
+SCHEMAS = {
+    "required fields": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                                         "age": {"type": "integer", "minimum": 0, "maximum": 130}},
+                        "required": ["name", "age"], "additionalProperties": False},
+    "enum": {"type": "object", "properties": {"mood": {"enum": ["happy", "sad", "calm"]}}, "required": ["mood"],
+             "additionalProperties": False},
+    "array": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                                        "minItems": 1, "maxItems": 3}},
+              "required": ["tags"], "additionalProperties": False},
+    "nested": {"type": "object", "properties": {"point": {
+        "type": "object", "properties": {"x": {"type": "number", "minimum": -10, "maximum": 10},
+                                         "y": {"type": "number", "minimum": -10, "maximum": 10}},
+        "required": ["x", "y"], "additionalProperties": False}}, "required": ["point"], "additionalProperties": False},
+    "pattern": {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+                "required": ["code"], "additionalProperties": False},
+}
+
+
+def json_schema(schema: dict) -> StructuredOutput:
+    return StructuredOutput("json_schema", json.dumps(schema))
+
+
+@pytest.fixture(scope="module")
+def engine(embedded: LoadedModel) -> StructuredOutputEngine:
+    return StructuredOutputEngine(embedded, StructuredOutputEngineConfig(device="cpu", num_blocks=512))
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_every_output_parses_and_validates(engine: StructuredOutputEngine, name: str) -> None:
+    schema, tokenizer = SCHEMAS[name], engine.tokenizer
+    prompts = [tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:4]]
+    greedy = SamplingParams(max_tokens=96, structured=json_schema(schema))
+    sampled = SamplingParams(max_tokens=96, temperature=0.9, seed=11, structured=json_schema(schema))
+    for completion in engine.generate(prompts + prompts, [greedy] * len(prompts) + [sampled] * len(prompts)):
+        assert completion.finish_reason.value == "stop", completion.text  # the object closed: the grammar ended
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+@pytest.mark.embedded
+def test_choices_and_a_regular_expression(engine: StructuredOutputEngine) -> None:
+    prompt = engine.tokenizer.apply_chat_template(PARITY_PROMPTS[0])
+    choice = SamplingParams(max_tokens=16, structured=StructuredOutput("choice", json.dumps(["yes", "no", "maybe"])))
+    code = SamplingParams(max_tokens=16, structured=StructuredOutput("regex", "[A-Z]{3}-[0-9]{2}"))
+    chosen, matched = engine.generate([prompt, prompt], [choice, code])
+    assert chosen.text in ("yes", "no", "maybe") and chosen.finish_reason.value == "stop"
+    assert len(matched.text) == 6 and matched.text[3] == "-" and matched.finish_reason.value == "stop"
+
+
+def reference_constrained(hf: PreTrainedModel, compiler: GrammarCompiler, prompt: list[int],
+                          structured: StructuredOutput, max_tokens: int) -> list[int]:
+    """HF's logits at each position, masked by a fresh matcher of the same grammar, then the argmax."""
+    matcher, output = compiler.matcher(structured), []
+    for _ in range(max_tokens):
+        logits = reference_logits(hf, prompt + output)[-1:]
+        masked = apply_token_bitmask(logits, compiler.bitmask([matcher]), torch.tensor([0]))
+        output.append(int(masked.argmax()))
+        matcher.advance(output[-1])
+        if matcher.complete:
+            break
+    return output
+
+
+@pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 16}, {"speculative_tokens": 4, **ALWAYS_PROPOSE}],
+                         ids=["eager", "budget", "speculative"])
+def test_greedy_equals_hf_masked_by_the_same_matcher(tiny: LoadedModel, config: dict) -> None:
+    engine = make_engine(tiny, "step16_structured_output", **config)
+    hf = hf_model_for(tiny)
+    structured = json_schema(SCHEMAS["required fields"])
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:3]]
+    constrained = SamplingParams(max_tokens=40, structured=structured)
+    plain = SamplingParams(max_tokens=40, ignore_eos=True)
+    # Beside it, free text with the same prompts: with speculation, those verify proposals in the same steps.
+    got = engine.generate(prompts + prompts, [constrained] * 3 + [plain] * 3)
+    for prompt, completion in zip(prompts, got[:3], strict=True):
+        assert completion.token_ids == reference_constrained(hf, engine.grammars, prompt, structured, 40)
+
+
+def test_the_mask_unpacks_bit_j_of_word_w_to_token_32w_plus_j() -> None:
+    bitmask = torch.tensor([[0b1011, -2**31], [0, 1]], dtype=torch.int32)  # -2**31: bit 31 alone
+    allowed = allowed_tokens(bitmask, 64)
+    assert allowed[0].nonzero().flatten().tolist() == [0, 1, 3, 63]
+    assert allowed[1].nonzero().flatten().tolist() == [32]
+    assert allowed_tokens(bitmask, 40)[0].nonzero().flatten().tolist() == [0, 1, 3]  # rows past the vocabulary cut
+    masked = apply_token_bitmask(torch.zeros(3, 64), bitmask, torch.tensor([0, 2]))
+    assert masked[1].eq(0).all()  # a row without a grammar is untouched
+    assert masked[0].isfinite().nonzero().flatten().tolist() == [0, 1, 3, 63]
+    assert masked[2].isfinite().nonzero().flatten().tolist() == [32]
+
+
+@pytest.mark.embedded
+def test_a_format_that_cannot_be_enforced_is_refused_by_name(engine: StructuredOutputEngine) -> None:
+    with pytest.raises(GrammarError, match="Unknown format: nonsense"):
+        engine.add_request("hi", SamplingParams(structured=json_schema(
+            {"type": "object", "properties": {"a": {"type": "string", "format": "nonsense"}}})))
+    with pytest.raises(GrammarError, match="unclosed group"):
+        engine.add_request("hi", SamplingParams(structured=StructuredOutput("regex", "a(b")))
+    with pytest.raises(ValueError, match="structured output kind"):
+        StructuredOutput("xml")
+    assert not engine.requests  # nothing was queued
+
+
+def test_an_engine_before_step16_refuses_a_format(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny, "step15_batch_invariant")
+    with pytest.raises(ValueError, match="--step step16_structured_output"):
+        engine.add_request("hi", SamplingParams(structured=StructuredOutput("json_object")))
