@@ -281,7 +281,11 @@ def test_sdk_raises_typed_errors(client: OpenAI) -> None:
 
 
 def test_a_json_response_format_is_refused_and_text_is_served(client: OpenAI) -> None:
-    """A client asking for JSON must not get free text under a 200: refused until a step constrains the output."""
+    """A client asking for JSON must not get free text under a 200: an engine that cannot constrain the output (this
+    one is step 03's) refuses it, as it refuses a format without its schema."""
+    with pytest.raises(BadRequestError, match="step16_structured_output"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       response_format={"type": "json_object"})
     with pytest.raises(BadRequestError, match="json_schema"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        response_format={"type": "json_schema", "json_schema": {"name": "x"}})

@@ -5,10 +5,13 @@ is refused with a message that says so."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import jsonschema
 import pytest
 import torch
+from openai import BadRequestError, OpenAI
+from pydantic import BaseModel, Field
 from transformers import PreTrainedModel
 
 from common.loading import LoadedModel
@@ -18,7 +21,12 @@ from common.sampling import SamplingParams, StructuredOutput
 from step16_structured_output.bitmask import allowed_tokens, apply_token_bitmask
 from step16_structured_output.engine import StructuredOutputEngine, StructuredOutputEngineConfig
 from step16_structured_output.grammar import GrammarCompiler, GrammarError
+from step08_serve.api_server import create_app
+from step08_serve.async_engine import AsyncEngine
+from step08_serve.launcher import running_server
 from tests.test_sampling_controls import ALWAYS_PROPOSE, make_engine
+
+MODEL = "smollm2-135m-instruct"
 
 SCHEMAS = {
     "required fields": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
@@ -126,3 +134,57 @@ def test_an_engine_before_step16_refuses_a_format(tiny: LoadedModel) -> None:
     engine = make_engine(tiny, "step15_batch_invariant")
     with pytest.raises(ValueError, match="--step step16_structured_output"):
         engine.add_request("hi", SamplingParams(structured=StructuredOutput("json_object")))
+
+
+# ----- through the server, with the official SDK ------------------------------------------------------------------
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=16)
+    age: int = Field(ge=0, le=130)
+
+
+@pytest.fixture(scope="module")
+def client(embedded: LoadedModel) -> Iterator[OpenAI]:
+    """A server of its own engine: the server's step thread owns it (the tests above step theirs directly)."""
+    served = StructuredOutputEngine(embedded, StructuredOutputEngineConfig(device="cpu", num_blocks=512))
+    with running_server(create_app(AsyncEngine(served), MODEL, MODEL)) as url:
+        yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def ask(client: OpenAI, **kwargs) -> str:  # noqa: ANN003
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Describe a person."}],
+                                           max_tokens=96, temperature=0, **kwargs)
+    if not kwargs.get("stream"):
+        return reply.choices[0].message.content
+    return "".join(c.choices[0].delta.content or "" for c in reply if c.choices)
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_through_the_sdk(client: OpenAI, stream: bool) -> None:
+    assert isinstance(json.loads(ask(client, stream=stream, response_format={"type": "json_object"})), dict)
+    schema = SCHEMAS["required fields"]
+    text = ask(client, stream=stream, response_format={"type": "json_schema", "json_schema": {
+        "name": "person", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.embedded
+def test_the_sdk_parses_into_a_pydantic_model(client: OpenAI) -> None:
+    reply = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Describe a person."}],
+                                          max_tokens=96, temperature=0, response_format=Person)
+    person = reply.choices[0].message.parsed
+    assert isinstance(person, Person) and 0 <= person.age <= 130
+
+
+@pytest.mark.embedded
+def test_structured_outputs_extension_and_refusals(client: OpenAI) -> None:
+    assert ask(client, extra_body={"structured_outputs": {"choice": ["red", "green"]}}) in ("red", "green")
+    code = ask(client, extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}})
+    assert len(code) == 6 and code[:3].isupper() and code[4:].isdigit()
+    with pytest.raises(BadRequestError, match="Unknown format: nonsense"):
+        ask(client, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"type": "string", "format": "nonsense"}}}}})
+    with pytest.raises(BadRequestError, match="exactly one of"):
+        ask(client, extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}})
