@@ -8,18 +8,22 @@ expression, a list of choices). Against step 15, `StructuredOutputEngine` change
   bitmasks, filled on the host, applied on the device in one set of ops; the other rows untouched);
 - each drawn token advances its matcher (`ConstrainedRequest.append_token`), and an output the grammar allows
   nothing more after (a closed object, a whole choice) finishes with `stop`.
-The mask for a token needs the token before it on the host, so a constrained request draws through the shared
-sampler, one token a step: it gets no speculative proposals, and its batch is not launched ahead (step 14).
+Under speculative decoding (step 11) a proposal the grammar forbids is cut before it is checked, and each checked
+position's logits are masked as the grammar stands there, so the output is the same with speculation on and off.
+The mask for a token needs the token before it on the host, so a constrained batch is not launched ahead (step 14).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
 
 from common.loading import LoadedModel
 from common.request import FinishReason, Request, RequestOutput, RequestStatus
+from step11_speculative_decoding.engine import VerifyChunk
+from step11_speculative_decoding.proposers import Proposal
 from step11_speculative_decoding.request import SpeculativeRequest
 from step12_cuda_graph.engine import CudaGraphEngine
 from step14_overlap_scheduling.engine import LaunchedDecode
@@ -74,6 +78,39 @@ class StructuredOutputEngine(BatchInvariantEngine):
             rows = torch.tensor(constrained, device=logits.device)
             logits = apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
         return super().sample(logits, requests)
+
+    # ----- speculative decoding under a grammar --------------------------------------------------------------
+
+    def proposal_room(self, request: ConstrainedRequest) -> int:
+        """Step 11's, and a request whose only use of the sampler is its grammar may propose too: its proposals are
+        cut where the grammar forbids one (`reserve_proposal_blocks`), and checked against masked logits."""
+        params = request.params
+        if request.matcher is not None and not params.adjusts_logits and params.logprobs is None:
+            return self.room_to_speculate(request)
+        return super().proposal_room(request)
+
+    def reserve_proposal_blocks(self, request: ConstrainedRequest, proposal: Proposal) -> Proposal:
+        if request.matcher is not None:
+            allowed = request.matcher.allowed_prefix(proposal.tokens)
+            proposal = Proposal(proposal.tokens[:allowed], None if proposal.probs is None else proposal.probs[:allowed])
+        return super().reserve_proposal_blocks(request, proposal)
+
+    def verify(self, chunks: list[VerifyChunk], logits: torch.Tensor) -> list[list[int]]:
+        """Step 11's check, against each constrained chunk's logits masked as its grammar stands before each
+        proposal and after the last: the tokens kept are those one-a-step decoding under the grammar would draw."""
+        firsts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
+        rows, masks = [], []
+        for chunk, first in zip(chunks, firsts[:-1], strict=True):
+            request = chunk.request
+            if isinstance(request, ConstrainedRequest) and request.matcher is not None:
+                masks.append(self.grammars.bitmasks_along(request.matcher, chunk.proposals))
+                rows += range(first, first + len(chunk.proposals) + 1)
+        if rows:
+            bitmask = torch.cat(masks).to(logits.device, non_blocking=True)
+            logits = apply_token_bitmask(logits, bitmask, torch.tensor(rows, device=logits.device))
+        return super().verify(chunks, logits)
+
+    # ----- the overlapped decode step -----------------------------------------------------------------------
 
     @torch.inference_mode()
     def decode(self, requests: list[ConstrainedRequest]) -> list[RequestOutput]:

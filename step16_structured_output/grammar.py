@@ -72,6 +72,18 @@ class GrammarCompiler:
         return bitmask
 
 
+    def bitmasks_along(self, matcher: GrammarMatcher, tokens: list[int]) -> torch.Tensor:
+        """The masks before each of `tokens` and after the last ([len(tokens) + 1, words]): what a verification
+        checks its proposals against. The matcher is left where it was."""
+        bitmask = llguidance.torch.allocate_token_bitmask(len(tokens) + 1, self.vocab_size)
+        for row in range(len(tokens) + 1):
+            llguidance.torch.fill_next_token_bitmask(matcher.matcher, bitmask, row)
+            if row < len(tokens):
+                matcher.advance(tokens[row])
+        matcher.rollback(len(tokens))
+        return bitmask
+
+
 class GrammarMatcher:
     """One request's place in its grammar."""
 
@@ -87,6 +99,10 @@ class GrammarMatcher:
     def complete(self) -> bool:
         """Whether the grammar allows nothing more (a closed JSON object, a whole choice): the output is done."""
         return self.matcher.is_stopped()
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order from the current place, the grammar allows (nothing is read)."""
+        return self.matcher.validate_tokens(tokens)
 
     def rollback(self, tokens: int) -> None:
         """Forget the last `tokens` tokens read (proposals a verification rejected)."""

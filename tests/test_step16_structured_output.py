@@ -100,10 +100,22 @@ def test_greedy_equals_hf_masked_by_the_same_matcher(tiny: LoadedModel, config: 
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:3]]
     constrained = SamplingParams(max_tokens=40, structured=structured)
     plain = SamplingParams(max_tokens=40, ignore_eos=True)
-    # Beside it, free text with the same prompts: with speculation, those verify proposals in the same steps.
-    got = engine.generate(prompts + prompts, [constrained] * 3 + [plain] * 3)
+    got = engine.generate(prompts + prompts, [constrained] * 3 + [plain] * 3)  # free text beside, the same prompts
     for prompt, completion in zip(prompts, got[:3], strict=True):
         assert completion.token_ids == reference_constrained(hf, engine.grammars, prompt, structured, 40)
+
+
+def test_speculation_under_a_grammar_checks_only_allowed_proposals(tiny: LoadedModel) -> None:
+    """Constrained requests alone, proposing at every step: proposals the grammar forbids are cut, the rest are
+    checked against masked logits, and the tokens are those of one-a-step decoding under the grammar."""
+    engine = make_engine(tiny, "step16_structured_output", speculative_tokens=4, **ALWAYS_PROPOSE)
+    hf = hf_model_for(tiny)
+    structured = StructuredOutput("regex", "(ab|cd|ef){1,12}!")  # repeating text: the n-gram proposer finds some
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:3]]
+    got = engine.generate(prompts, SamplingParams(max_tokens=30, structured=structured))
+    assert engine.accepted_tokens > 0  # proposals were checked for constrained requests, and some kept
+    for prompt, completion in zip(prompts, got, strict=True):
+        assert completion.token_ids == reference_constrained(hf, engine.grammars, prompt, structured, 30)
 
 
 def test_the_mask_unpacks_bit_j_of_word_w_to_token_32w_plus_j() -> None:
