@@ -21,30 +21,13 @@ from common.sampling import SamplingParams, StructuredOutput
 from step16_structured_output.bitmask import allowed_tokens, apply_token_bitmask
 from step16_structured_output.engine import StructuredOutputEngine, StructuredOutputEngineConfig
 from step16_structured_output.grammar import GrammarCompiler, GrammarError
+from step16_structured_output.schemas import SCHEMAS
 from step08_serve.api_server import create_app
 from step08_serve.async_engine import AsyncEngine
 from step08_serve.launcher import running_server
 from tests.test_sampling_controls import ALWAYS_PROPOSE, make_engine
 
 MODEL = "smollm2-135m-instruct"
-
-SCHEMAS = {
-    "required fields": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                                         "age": {"type": "integer", "minimum": 0, "maximum": 130}},
-                        "required": ["name", "age"], "additionalProperties": False},
-    "enum": {"type": "object", "properties": {"mood": {"enum": ["happy", "sad", "calm"]}}, "required": ["mood"],
-             "additionalProperties": False},
-    "array": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
-                                                        "minItems": 1, "maxItems": 3}},
-              "required": ["tags"], "additionalProperties": False},
-    "nested": {"type": "object", "properties": {"point": {
-        "type": "object", "properties": {"x": {"type": "number", "minimum": -10, "maximum": 10},
-                                         "y": {"type": "number", "minimum": -10, "maximum": 10}},
-        "required": ["x", "y"], "additionalProperties": False}}, "required": ["point"], "additionalProperties": False},
-    "pattern": {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
-                "required": ["code"], "additionalProperties": False},
-}
-
 
 def json_schema(schema: dict) -> StructuredOutput:
     return StructuredOutput("json_schema", json.dumps(schema))
@@ -96,7 +79,7 @@ def reference_constrained(hf: PreTrainedModel, compiler: GrammarCompiler, prompt
 def test_greedy_equals_hf_masked_by_the_same_matcher(tiny: LoadedModel, config: dict) -> None:
     engine = make_engine(tiny, "step16_structured_output", **config)
     hf = hf_model_for(tiny)
-    structured = json_schema(SCHEMAS["required fields"])
+    structured = json_schema(SCHEMAS["required"])
     prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:3]]
     constrained = SamplingParams(max_tokens=40, structured=structured)
     plain = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -176,7 +159,7 @@ def ask(client: OpenAI, **kwargs) -> str:  # noqa: ANN003
 @pytest.mark.parametrize("stream", [False, True])
 def test_response_format_through_the_sdk(client: OpenAI, stream: bool) -> None:
     assert isinstance(json.loads(ask(client, stream=stream, response_format={"type": "json_object"})), dict)
-    schema = SCHEMAS["required fields"]
+    schema = SCHEMAS["required"]
     text = ask(client, stream=stream, response_format={"type": "json_schema", "json_schema": {
         "name": "person", "schema": schema, "strict": True}})
     jsonschema.validate(json.loads(text), schema)
