@@ -66,6 +66,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured, dict):  # as JSON gives it: {"kind": ..., "spec": ...}
+            self.structured = StructuredOutput(**self.structured)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
