@@ -415,7 +415,7 @@ def test_the_default_step_has_a_token_budget_and_takes_its_flag() -> None:
     from step09_chunked_prefill.engine import ChunkedPrefillEngine
 
     assert chosen_step(["--device", "cpu"]) == "step10_prefix_caching"
-    assert chosen_step(["--device", "cuda"]) == "step15_batch_invariant"
+    assert chosen_step(["--device", "cuda"]) == "step16_structured_output"
     assert chosen_step(["--device", "cpu", "--step", "step07_preemption"]) == "step07_preemption"
     engine = build_engine(parse_args(["--device", "cpu", "--model", "tiny-llama", "--max-num-batched-tokens", "64"]))
     assert isinstance(engine, ChunkedPrefillEngine) and engine.token_budget == 64
