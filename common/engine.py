@@ -69,6 +69,7 @@ class EngineConfig:
 class Engine(ABC):
     config_class: type[EngineConfig] = EngineConfig
     request_class: type[Request] = Request  # a step that keeps more about a request names its subclass here
+    serves_structured_output = False  # whether it holds output to a grammar (`SamplingParams.structured`): step 16
     # What step 04 needs to know before it splits an engine over processes; the step that changes one says so.
     splits_over_ranks = False  # its KV pool is sized once, the same on every rank: each rank holds its own heads
     captures_cuda_graphs = False  # gloo's collectives (host-side) cannot be captured into a graph
@@ -146,6 +147,9 @@ class Engine(ABC):
 
     def check_request(self, request: Request) -> None:
         """Refuse, with a ValueError that says what to change, a request this engine could never run."""
+        if request.params.structured is not None and not self.serves_structured_output:
+            raise ValueError(f"{type(self).__name__} does not constrain output to a grammar: serve step 16's engine "
+                             "(--step step16_structured_output) for response_format and structured outputs")
         vocab = self.model.config.vocab_size
         outside = [t for t in request.params.logit_bias if t >= vocab]
         if outside:

@@ -20,6 +20,23 @@ _seed_source = random.SystemRandom()
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's limit for chat)
 
 
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Output held to a grammar, token by token: any JSON object, JSON that validates against a schema, text a
+    regular expression matches whole, or one of a list of choices. Served by step 16's engine
+    (`step16_structured_output`); an engine before it refuses a request that sets it."""
+
+    kind: str  # one of STRUCTURED_KINDS
+    spec: str = ""  # the schema as JSON text, the regular expression, or the choices as a JSON list
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+
+
 @dataclass
 class SamplingParams:
     """How to generate for one request. The default is greedy decoding of up to 16 tokens."""
@@ -44,10 +61,13 @@ class SamplingParams:
     # None: none; n: each prompt token's log-probability given those before it, with the n most likely tokens
     # there (see `common.prompt_logprobs`).
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None  # None: free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured, dict):  # as JSON gives it: {"kind": ..., "spec": ...}
+            self.structured = StructuredOutput(**self.structured)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -93,9 +113,9 @@ class SamplingParams:
     @property
     def needs_logits(self) -> bool:
         """Whether picking this request's token needs its whole row of logits in the shared sampler: for its
-        penalties or bias, or for its log-probabilities. A path that picks tokens otherwise (a captured graph's
+        penalties or bias, its log-probabilities, or its grammar's mask. A path that picks tokens otherwise (a captured graph's
         argmax, a check of proposals) leaves such a request to the sampler."""
-        return self.adjusts_logits or self.logprobs is not None
+        return self.adjusts_logits or self.logprobs is not None or self.structured is not None
 
 
 @dataclass

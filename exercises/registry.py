@@ -252,6 +252,16 @@ EXERCISES = [
         lesson="step15_batch_invariant/README.md",
         skips_idea='the whole softmax at once through a batched matmul, not in fixed pieces',
     ),
+    Exercise(
+        id="16-bitmask",
+        stub_module="ex16_bitmask",
+        target="step16_structured_output.bitmask:allowed_tokens",
+        tests=("tests/test_step16_structured_output.py", "-k",
+               "mask_unpacks or greedy_equals and qwen2-eager or speculation_under"),
+        step="step16_structured_output",
+        lesson="step16_structured_output/README.md",
+        skips_idea="each word's bits read from the most significant end: token 32 w + 31 - j for bit j",
+    ),
 ]
 
 

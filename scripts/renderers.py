@@ -68,6 +68,18 @@ def render_open_loop(path: str, doc: Doc) -> list[str]:
                      "failed"], rows, text_columns=1)
 
 
+def render_grammar(path: str, doc: Doc) -> list[str]:
+    """step16_structured_output/bench/bench_grammar.py: per schema, the share of outputs that parse as JSON and that
+    validate against the schema, unconstrained and under the grammar (greedy and sampled)."""
+    def share(row: Doc, way: str, what: str) -> str:
+        return f"{row[way][what]:.0%}"
+
+    rows = [[r["schema"], str(r["prompts"]), share(r, "unconstrained", "parse"), share(r, "unconstrained", "valid"),
+             share(r, "constrained greedy", "valid"), share(r, "constrained sampled", "valid")] for r in doc["outputs"]]
+    return markdown(["schema", "prompts", "unconstrained: parses", "unconstrained: valid", "constrained greedy: valid",
+                     "constrained sampled: valid"], rows, text_columns=1)
+
+
 def budget_label(row: Doc) -> str:
     """A budget as bench_long_prompt.py names it, with the number the engine chose for "default"."""
     if row["budget"] == "default" and row.get("budget_tokens"):
@@ -485,6 +497,7 @@ RENDERERS = (
     Renderer("serve", lambda doc: "concurrency" in first(doc, "runs"), render_serve),
     Renderer("burst-serve", lambda doc: "burst" in first(doc, "runs"), render_burst_serve),
     Renderer("open-loop", lambda doc: "goodput_req_per_s" in first(doc, "runs"), render_open_loop),
+    Renderer("grammar", lambda doc: "constrained greedy" in first(doc, "outputs"), render_grammar),
     Renderer("prefix", lambda doc: "scenario" in first(doc, "runs"), render_prefix),
     Renderer("stall", lambda doc: bool(first(doc, "stall")), render_stall),
     Renderer("burst", lambda doc: bool(first(doc, "burst")), render_burst),

@@ -157,6 +157,9 @@ class OpenAIServer:
             raise RequestError(f"the model {body.model!r} does not exist; this server serves {self.served_model!r}",
                                "model", status=404, code="model_not_found")
         body.check_supported(self.engine.model.config.vocab_size)
+        if body.structured_output() is not None and not getattr(self.engine, "serves_structured_output", False):
+            raise RequestError(f"this server's engine ({type(self.engine).__name__}) does not constrain output to a "
+                               "format: start it with --step step16_structured_output", "response_format")
         return body
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:

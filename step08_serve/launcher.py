@@ -18,11 +18,11 @@ if TYPE_CHECKING:  # for the annotations only: run.py reads DEFAULT_STEP before 
     from step08_serve.async_engine import AsyncEngine
 
 # The server drives any step of common/steps.py (`--step`). The default is the most capable step for the
-# device: on a GPU, the final engine, step 15 (graphs, fused decode, the host overlapped; `--batch-invariant` off
-# unless asked for, and then as fast as step 14: results/gpu/h100-decode-batch1-8.json); elsewhere step 10 (step 09's
-# budget, and prefix caching), whose eager path is what steps 12 to 15 run on a CPU anyway. Both bound each step by
-# a token budget and honour each request's `priority`.
-DEFAULT_STEP = {"cuda": "step15_batch_invariant", "cpu": "step10_prefix_caching"}
+# device: on a GPU, the final engine, step 16 (graphs, fused decode, the host overlapped, `--batch-invariant` off
+# unless asked for, and output held to a format where a request names one); elsewhere step 10 (step 09's budget,
+# and prefix caching), whose eager path is what steps 12 to 15 run on a CPU anyway. Both bound each step by a token
+# budget and honour each request's `priority`.
+DEFAULT_STEP = {"cuda": "step16_structured_output", "cpu": "step10_prefix_caching"}
 
 
 def default_step(device: str) -> str:

@@ -8,11 +8,12 @@ silently ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from common.sampling import SamplingParams
+from common.sampling import SamplingParams, StructuredOutput
 
 
 class RequestError(ValueError):
@@ -66,8 +67,8 @@ class GenerationFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
-    # {"type": "text"} is what every server gives; json_object and json_schema constrain the output, which no step
-    # serves yet: refused rather than answered with free text under a 200.
+    # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
+    # "strict"}}: the last two constrain the output (an engine that cannot refuses them: never free text under a 200).
     response_format: dict[str, Any] | None = None
     user: str | None = None
     # Extras sent as top-level keys through the SDK's extra_body.
@@ -78,6 +79,8 @@ class GenerationFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    # vLLM's extension, one key of: {"json": schema}, {"regex": "..."}, {"choice": ["a", "b"]}.
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -95,10 +98,15 @@ class GenerationFields(BaseModel):
         self.token_biases(vocab_size)
         if self.min_tokens != 0:
             raise RequestError("min_tokens is not supported by this server; leave it at its default", "min_tokens")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise RequestError(f"response_format of type {kind!r} is not supported by this server: it would answer "
-                               "with unconstrained text; send {\"type\": \"text\"} or leave it out", "response_format")
+        self.structured_output()
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The format the output is held to, from `response_format` or `structured_outputs`; None: free text."""
+        if self.structured_outputs is not None:
+            if self.response_format is not None and self.response_format.get("type", "text") != "text":
+                raise RequestError("send response_format or structured_outputs, not both", "structured_outputs")
+            return structured_outputs_format(self.structured_outputs)
+        return response_format(self.response_format or {})
 
     def token_biases(self, vocab_size: int) -> dict[int, float]:
         """`logit_bias` with its keys as token ids, each checked against the vocabulary, each bias in [-100, 100]."""
@@ -132,6 +140,7 @@ class GenerationFields(BaseModel):
             logit_bias=self.token_biases(vocab_size),
             logprobs=self.logprobs_count(),
             prompt_logprobs=self.prompt_logprobs_count(),
+            structured=self.structured_output(),
         )
 
     def logprobs_count(self) -> int | None:
@@ -145,6 +154,43 @@ class GenerationFields(BaseModel):
     @property
     def include_usage_chunk(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+
+def response_format(value: dict[str, Any]) -> StructuredOutput | None:
+    """OpenAI's `response_format`: text (None), any JSON object, or JSON valid against `json_schema.schema`."""
+    kind = value.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise RequestError("response_format of type json_schema needs json_schema.schema, a JSON schema object",
+                               "response_format")
+        return StructuredOutput("json_schema", json.dumps(spec["schema"]))
+    raise RequestError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                       "response_format")
+
+
+def structured_outputs_format(value: dict[str, Any]) -> StructuredOutput:
+    """vLLM's `structured_outputs` extension: exactly one of json (a schema), regex, choice."""
+    if len(value) != 1 or next(iter(value)) not in ("json", "regex", "choice"):
+        raise RequestError("structured_outputs takes exactly one of: json (a schema), regex, choice (a list of "
+                           f"strings); got {sorted(value)}", "structured_outputs")
+    (key, spec), = value.items()
+    if key == "json":
+        schema = json.loads(spec) if isinstance(spec, str) else spec
+        if not isinstance(schema, dict):
+            raise RequestError("structured_outputs.json must be a JSON schema object", "structured_outputs")
+        return StructuredOutput("json_schema", json.dumps(schema))
+    if key == "regex":
+        if not isinstance(spec, str) or not spec:
+            raise RequestError("structured_outputs.regex must be a non-empty string", "structured_outputs")
+        return StructuredOutput("regex", spec)
+    if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+        raise RequestError("structured_outputs.choice must be a list of non-empty strings", "structured_outputs")
+    return StructuredOutput("choice", json.dumps(spec))
 
 
 class ChatCompletionRequest(GenerationFields):

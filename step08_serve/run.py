@@ -1,6 +1,6 @@
 """Step 08: an OpenAI-compatible streaming server over one shared engine step loop.
 
-Any step's engine serves (`--step`; default step15_batch_invariant on a GPU, step10_prefix_caching elsewhere),
+Any step's engine serves (`--step`; default step16_structured_output on a GPU, step10_prefix_caching elsewhere),
 with that step's own flags (`--step step09_chunked_prefill --help` lists them: --attn, --preempt,
 --max-num-batched-tokens, ...).
 

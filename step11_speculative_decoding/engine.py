@@ -185,6 +185,9 @@ class SpeculativeEngine(PrefixCachingEngine):
             # Penalties depend on each token before, and log-probabilities come from the sampler: it decodes one
             # token a step, through the sampler.
             return 0
+        return self.room_to_speculate(request)
+
+    def room_to_speculate(self, request: SpeculativeRequest) -> int:
         return min(self.config.speculative_tokens, request.max_total_tokens - request.num_tokens - 1)
 
     # The rule, on its own so that the step's economics read in a few lines (exercise 11-proposal-counts).

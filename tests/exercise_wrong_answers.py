@@ -234,6 +234,12 @@ def attention_in_two_pieces(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     return project_split_attention(q, keys, values, query_pos, split=keys.shape[1] // 2)
 
 
+def bits_from_the_top(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpacks each word from its most significant bit down: token 32 w + j read from bit 31 - j."""
+    shifts = 31 - torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
 WRONG_ANSWERS: dict[str, Callable[..., Any]] = {
     "01-contiguous-attend": attend_to_new_tokens_only,
     "02-slot-mapping": slot_is_the_position,
@@ -254,4 +260,5 @@ WRONG_ANSWERS: dict[str, Callable[..., Any]] = {
     "14-launch-decode": launch_after_reading_the_tokens,
     "15-row-tiles": linear_on_the_whole_batch,
     "15-split-attention": attention_in_two_pieces,
+    "16-bitmask": bits_from_the_top,
 }

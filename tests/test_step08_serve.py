@@ -281,7 +281,11 @@ def test_sdk_raises_typed_errors(client: OpenAI) -> None:
 
 
 def test_a_json_response_format_is_refused_and_text_is_served(client: OpenAI) -> None:
-    """A client asking for JSON must not get free text under a 200: refused until a step constrains the output."""
+    """A client asking for JSON must not get free text under a 200: an engine that cannot constrain the output (this
+    one is step 03's) refuses it, as it refuses a format without its schema."""
+    with pytest.raises(BadRequestError, match="step16_structured_output"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       response_format={"type": "json_object"})
     with pytest.raises(BadRequestError, match="json_schema"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        response_format={"type": "json_schema", "json_schema": {"name": "x"}})
@@ -411,7 +415,7 @@ def test_the_default_step_has_a_token_budget_and_takes_its_flag() -> None:
     from step09_chunked_prefill.engine import ChunkedPrefillEngine
 
     assert chosen_step(["--device", "cpu"]) == "step10_prefix_caching"
-    assert chosen_step(["--device", "cuda"]) == "step15_batch_invariant"
+    assert chosen_step(["--device", "cuda"]) == "step16_structured_output"
     assert chosen_step(["--device", "cpu", "--step", "step07_preemption"]) == "step07_preemption"
     engine = build_engine(parse_args(["--device", "cpu", "--model", "tiny-llama", "--max-num-batched-tokens", "64"]))
     assert isinstance(engine, ChunkedPrefillEngine) and engine.token_budget == 64
