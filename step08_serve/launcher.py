@@ -17,20 +17,11 @@ if TYPE_CHECKING:  # for the annotations only: run.py reads DEFAULT_STEP before 
 
     from step08_serve.async_engine import AsyncEngine
 
-# The server drives any step of common/steps.py (`--step`). The default is the most capable step for the
-# device: on a GPU, the final engine, step 16 (graphs, fused decode, the host overlapped, `--batch-invariant` off
-# unless asked for, and output held to a format where a request names one); elsewhere step 10 (step 09's budget,
-# and prefix caching), whose eager path is what steps 12 to 15 run on a CPU anyway. Both bound each step by a token
-# budget and honour each request's `priority`.
-DEFAULT_STEP = {"cuda": "step16_structured_output", "cpu": "step10_prefix_caching"}
-
-
-def default_step(device: str) -> str:
-    """The step that serves when --step is not given, for the --device given (auto: cuda if there is one)."""
-    import torch  # only to ask whether there is a GPU (--device auto), before the command line is parsed
-
-    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    return DEFAULT_STEP["cuda" if on_cuda else "cpu"]
+# The server drives any step of common/steps.py (`--step`). The default is the final engine, step 16, on every
+# device: on a GPU its graphs, fused decode and overlapped host; on a CPU the eager path of step 10 (step 09's budget
+# and prefix caching) that steps 12 to 15 run there; on both, output held to a format where a request names one
+# (`response_format`), each step bounded by a token budget, and each request's `priority` honoured.
+DEFAULT_STEP = "step16_structured_output"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

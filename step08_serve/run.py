@@ -1,6 +1,6 @@
 """Step 08: an OpenAI-compatible streaming server over one shared engine step loop.
 
-Any step's engine serves (`--step`; default step16_structured_output on a GPU, step10_prefix_caching elsewhere),
+Any step's engine serves (`--step`; default step16_structured_output, the final engine),
 with that step's own flags (`--step step09_chunked_prefill --help` lists them: --attn, --preempt,
 --max-num-batched-tokens, ...).
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from common.cli import CommandLineError, Parser, at_least, check_args, fail
 from common.config import EMBEDDED_MODEL, model_names_help
 from common.steps import STEP_NAMES, engine_class, find_step
-from step08_serve.launcher import DEFAULT_STEP, default_step, running_server, serve
+from step08_serve.launcher import DEFAULT_STEP, running_server, serve
 
 if TYPE_CHECKING:  # for the annotations only: the command line is checked before the engine and server load
     from fastapi import FastAPI
@@ -35,8 +35,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, step: str) -> None:
     chosen step's own, and step 04's (split or replicate it). `EngineConfig.from_args` reads each into the
     config field of the same name."""
     parser.add_argument("--step", choices=STEP_NAMES, default=step,
-                        help=f"which step's engine serves (default {DEFAULT_STEP['cuda']} on a GPU, "
-                             f"{DEFAULT_STEP['cpu']} elsewhere); its own flags follow below")
+                        help=f"which step's engine serves (default {DEFAULT_STEP}, the final engine); its own flags "
+                             "follow below")
     parser.add_argument("--model", default=EMBEDDED_MODEL, help=f"one of: {model_names_help()}")
     parser.add_argument("--device", default="auto",
                         help="cpu, cuda, cuda:1, mps, or auto (default: cuda if there is one)")
@@ -54,13 +54,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, step: str) -> None:
 
 
 def chosen_step(argv: Sequence[str] | None) -> str:
-    """--step alone (or the default for --device), read first: which step's flags the whole command line may
-    hold depends on it."""
+    """--step alone (or the default), read first: which step's flags the whole command line may hold depends on
+    it."""
     first = Parser(add_help=False)
-    first.add_argument("--step", choices=STEP_NAMES, default=None)
-    first.add_argument("--device", default="auto")
-    known = first.parse_known_args(argv)[0]
-    return known.step or default_step(known.device)
+    first.add_argument("--step", choices=STEP_NAMES, default=DEFAULT_STEP)
+    return first.parse_known_args(argv)[0].step
 
 
 def build_parser(step: str) -> argparse.ArgumentParser:
