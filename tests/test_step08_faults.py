@@ -241,3 +241,14 @@ def test_sigterm_lets_short_streams_finish_and_ends_the_rest_within_the_grace_pe
     long_ones = [endings[i] for i in range(0, 16, 2)]
     assert all(ending.startswith("error:") and "shut down" in ending for ending, _ in long_ones)
     assert all(at - signalled < grace + 2 for _, at in long_ones)
+
+
+def test_the_server_flags_reach_the_step_loop() -> None:
+    """--max-queued-outputs bounds each stream's unread outputs; a bad value is one line, before any model loads."""
+    from step08_serve.run import build_app, parse_args
+
+    app = build_app(parse_args(["--model", MODEL, "--device", "cpu", "--max-queued-outputs", "7"]))
+    assert app.state.async_engine.max_queued_outputs == 7
+    refused = subprocess.run([sys.executable, "step08_serve/run.py", "--shutdown-grace", "-1"], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode == 2 and "--shutdown-grace" in refused.stderr
