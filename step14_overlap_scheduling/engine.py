@@ -224,7 +224,13 @@ class OverlapSchedulingEngine(FusedDecodeEngine):
         device, the tokens of the step before that the host has not appended yet (`count_pending`); its tokens go
         where the next step launched ahead reads its inputs."""
         assert self.graphs is not None
-        logits = self.graphs.logits_for(batch)
+        return self.draw_on_device(batch, requests, self.graphs.logits_for(batch))
+
+    def draw_on_device(self, batch: LaunchAheadBatch, requests: list[SpeculativeRequest], logits: torch.Tensor
+                       ) -> tuple[PendingTokens, PendingLogprobs | None]:
+        """The shared sampler queued behind a launched step's logits, its tokens written where the next step
+        launched ahead reads its inputs; nothing is read back."""
+        assert self.graphs is not None
         controls = None
         if any(p.adjusts_logits for p in batch.params):
             controls = LogitControls.build(batch.params, [r.prompt_token_ids for r in requests],

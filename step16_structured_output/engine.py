@@ -10,23 +10,27 @@ expression, a list of choices). Against step 15, `StructuredOutputEngine` change
   nothing more after (a closed object, a whole choice) finishes with `stop`.
 Under speculative decoding (step 11) a proposal the grammar forbids is cut before it is checked, and each checked
 position's logits are masked as the grammar stands there, so the output is the same with speculation on and off.
-The mask for a token needs the token before it on the host, so a constrained batch is not launched ahead (step 14).
+The mask for a token needs the token before it on the host. Step 14 launches a decode step before the host has read
+the tokens of the one before; for a batch with a grammar it launches the forward alone, and its tokens are drawn once
+the host has read the step before's and filled the masks (`MaskedDraw`), while the GPU still runs that forward.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from common.loading import LoadedModel
 from common.request import FinishReason, Request, RequestOutput, RequestStatus
+from common.sampling import TokenLogprob, to_device
 from step11_speculative_decoding.engine import VerifyChunk
 from step11_speculative_decoding.proposers import Proposal
 from step11_speculative_decoding.request import SpeculativeRequest
-from step12_cuda_graph.engine import CudaGraphEngine
-from step14_overlap_scheduling.engine import LaunchedDecode
+from step12_cuda_graph.decode_graphs import PendingTokens
+from step14_overlap_scheduling.engine import LaunchAheadBatch, LaunchedDecode, PendingLogprobs
 from step15_batch_invariant.engine import BatchInvariantEngine, BatchInvariantEngineConfig
 from step16_structured_output.bitmask import apply_token_bitmask
 from step16_structured_output.grammar import GrammarCompiler, GrammarMatcher
@@ -48,6 +52,28 @@ class ConstrainedRequest(SpeculativeRequest):
         self.text += self.detokenizer.flush()
         return replace(out, new_text=out.new_text + self._take_new_text(), finished=True,
                        finish_reason=FinishReason.STOP)
+
+
+class MaskedDraw:
+    """A constrained batch's step, launched: its logits are on their way, its tokens not drawn yet. Their masks need
+    the tokens of the step before on the host; `draw` queues the masked sampler once they are (once only). It stands
+    for both the step's tokens and its log-probabilities (`LaunchedDecode`), which come from the same draw."""
+
+    def __init__(self, draw: Callable[[], tuple[PendingTokens, PendingLogprobs | None]], rows: int) -> None:
+        self.queue_draw, self.rows = draw, rows
+        self.drawn: tuple[PendingTokens, PendingLogprobs | None] | None = None
+
+    def draw(self) -> tuple[PendingTokens, PendingLogprobs | None]:
+        if self.drawn is None:
+            self.drawn = self.queue_draw()
+        return self.drawn
+
+    def wait(self) -> list[int]:
+        return self.draw()[0].wait()
+
+    def records(self) -> list[TokenLogprob | None]:
+        logprobs = self.draw()[1]
+        return logprobs.records() if logprobs is not None else [None] * self.rows
 
 
 @dataclass
@@ -73,11 +99,16 @@ class StructuredOutputEngine(BatchInvariantEngine):
     def sample(self, logits: torch.Tensor, requests: list[ConstrainedRequest]) -> list[int]:
         """Step 15's draw, after every constrained row's logits keep only what its grammar allows next."""
         constrained = [row for row, request in enumerate(requests) if request.matcher is not None]
-        if constrained:
-            bitmask = self.grammars.bitmask([requests[row].matcher for row in constrained])
-            rows = torch.tensor(constrained, device=logits.device)
-            logits = apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), rows)
-        return super().sample(logits, requests)
+        return super().sample(self.masked(logits, requests, constrained), requests)
+
+    def masked(self, logits: torch.Tensor, requests: list[ConstrainedRequest], rows: list[int]) -> torch.Tensor:
+        """The logits with each of `rows` keeping only what its request's grammar allows next (the bitmasks filled
+        on the host, applied on the device in one set of ops); the other rows as they are."""
+        if not rows:
+            return logits
+        bitmask = self.grammars.bitmask([requests[row].matcher for row in rows])  # pinned where there is a GPU
+        return apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True),
+                                   to_device(rows, torch.int64, logits.device))
 
     # ----- speculative decoding under a grammar --------------------------------------------------------------
 
@@ -106,23 +137,35 @@ class StructuredOutputEngine(BatchInvariantEngine):
                 masks.append(self.grammars.bitmasks_along(request.matcher, chunk.proposals))
                 rows += range(first, first + len(chunk.proposals) + 1)
         if rows:
-            bitmask = torch.cat(masks).to(logits.device, non_blocking=True)
-            logits = apply_token_bitmask(logits, bitmask, torch.tensor(rows, device=logits.device))
+            bitmask = torch.cat(masks).pin_memory() if logits.is_cuda else torch.cat(masks)
+            logits = apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True),
+                                         to_device(rows, torch.int64, logits.device))
         return super().verify(chunks, logits)
 
     # ----- the overlapped decode step -----------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def decode(self, requests: list[ConstrainedRequest]) -> list[RequestOutput]:
-        """A batch with a grammar decodes as step 12 does, its tokens drawn by `sample` once its logits are on the
-        device: step 14 would draw them on the device without passing the host, where the masks are filled."""
-        if any(r.matcher is not None for r in requests):
-            self.launched_ahead = None  # none was launched for it (`launch_ahead`)
-            return CudaGraphEngine.decode(self, requests)
-        return super().decode(requests)
+    def launch_rows(self, batch: LaunchAheadBatch, requests: list[ConstrainedRequest]
+                    ) -> tuple[PendingTokens, PendingLogprobs | None]:
+        """Step 14's launch, except for a batch with a grammar: its forward (the LOGITS graph) is launched now, and
+        its tokens drawn later, by `draw_masked`, once the matchers have read the tokens of the step before."""
+        if not any(r.matcher is not None for r in requests):
+            return super().launch_rows(batch, requests)
+        assert self.graphs is not None
+        logits = self.graphs.logits_for(batch)
+        draw = MaskedDraw(lambda: self.draw_masked(batch, requests, logits), len(requests))
+        return draw, draw
+
+    def draw_masked(self, batch: LaunchAheadBatch, requests: list[ConstrainedRequest], logits: torch.Tensor
+                    ) -> tuple[PendingTokens, PendingLogprobs | None]:
+        """A launched constrained batch's tokens, drawn on the device from its logits masked as each grammar now
+        stands. The host has appended the tokens of the step before by now: none is pending on the device."""
+        settled = replace(batch, previous_rows=[-1] * len(batch))
+        # A request that finished meanwhile (its grammar ended, say) has a wasted row here: no mask for it.
+        rows = [row for row, r in enumerate(requests) if r.matcher is not None and not r.finished]
+        return self.draw_on_device(settled, requests, self.masked(logits, requests, rows))
 
     def launch_ahead(self, current: LaunchedDecode) -> LaunchedDecode | None:
-        """Step 14's, except for a batch with a grammar: its next mask needs this step's tokens on the host."""
-        if any(r.matcher is not None for r in self.running):
-            return None
+        """Step 14's, once this step's tokens are drawn: the next step reads them on the device."""
+        if isinstance(current.tokens, MaskedDraw):
+            current.tokens.draw()
         return super().launch_ahead(current)
