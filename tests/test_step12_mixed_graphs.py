@@ -21,9 +21,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_buckets() -> None:
-    assert mixed_token_buckets(2048) == [256, 512, 1024, 2048]
-    assert mixed_token_buckets(300) == [256, 300]
-    assert mixed_token_buckets(100) == [100]
+    assert mixed_token_buckets(2048) == [32, 64, 128, 256, 512, 1024, 2048]
+    assert mixed_token_buckets(300) == [32, 64, 128, 256, 300]
+    assert mixed_token_buckets(20) == [20]
     assert mixed_row_buckets(256) == [16, 64, 256] and mixed_row_buckets(33) == [16, 33]
     assert max_tiles(256, 16) == 256 // TILE_ROWS + 16
 
