@@ -135,16 +135,19 @@ def _metrics(
     )
 
 
-def run_engine(engine: Engine, workload: Workload, system: str, sampling: dict[str, Any] | None = None) -> RunMetrics:
+def run_engine(engine: Engine, workload: Workload, system: str,
+               sampling: dict[str, Any] | Sequence[dict[str, Any]] | None = None) -> RunMetrics:
     """Submit every request at once and step until all finish, timing each request's first and last token.
-    `sampling`: further SamplingParams fields every request sets (penalties, logprobs, ...)."""
+    `sampling`: further SamplingParams fields every request sets (penalties, logprobs, ...), or a list of them,
+    one per request."""
     device = engine.device
+    per_request = sampling if isinstance(sampling, Sequence) else [sampling or {}] * len(workload.prompts)
     _reset_peak(device)
     _sync(device)
     start = time.perf_counter()
     ids = [
-        engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, **(sampling or {})))
-        for p, n in zip(workload.prompts, workload.output_lens)
+        engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, **fields))
+        for p, n, fields in zip(workload.prompts, workload.output_lens, per_request, strict=True)
     ]
     first: dict[str, float] = {}
     done: dict[str, float] = {}

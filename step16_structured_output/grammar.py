@@ -25,6 +25,12 @@ from common.sampling import StructuredOutput
 from common.tokenizer import Tokenizer
 
 
+# JSON laid out as Python's json.dumps lays it out, one space after each comma and colon and nowhere else. JSON's own
+# grammar allows any whitespace between tokens, and a model that starts a run of spaces or newlines could fill its
+# whole budget with them, the object never closed; a schema may still ask otherwise ("x-guidance").
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 class GrammarError(ValueError):
     """A request's format cannot be compiled, or its output left the grammar."""
 
@@ -33,9 +39,9 @@ def grammar_text(structured: StructuredOutput) -> str:
     """The llguidance grammar of a request's format. Refuses, naming what is wrong, a format the library cannot
     honour in full: an unknown schema keyword would otherwise be dropped, and the output not validate."""
     if structured.kind == "json_object":
-        grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+        grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
     elif structured.kind == "json_schema":
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(structured.spec)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(structured.spec, defaults=JSON_LAYOUT)
     elif structured.kind == "regex":
         grammar = llguidance.LLMatcher.grammar_from_regex(structured.spec)
     else:  # "choice": one of the given strings exactly, as a Lark rule of literals
@@ -60,17 +66,19 @@ class GrammarCompiler:
                                                       eos_token=sorted(eos_token_ids))
         self.vocab_size = vocab_size
         self.grammar = lru_cache(maxsize=256)(grammar_text)
+        self.threads = llguidance.LLExecutor()  # most of the host's cores (llguidance's default)
 
     def matcher(self, structured: StructuredOutput) -> GrammarMatcher:
         return GrammarMatcher(llguidance.LLMatcher(self.tokenizer, self.grammar(structured)))
 
     def bitmask(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
-        """Each matcher's allowed next tokens, one row each: [len(matchers), words] int32, on the host."""
+        """Each matcher's allowed next tokens, one row each: [len(matchers), words] int32, on the host (in pinned
+        memory where there is a GPU). The rows are filled by llguidance's threads, outside Python's lock: a mask
+        where most of the vocabulary is allowed (free text in a JSON string) walks the whole tokenizer trie."""
         bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for row, matcher in enumerate(matchers):
-            llguidance.torch.fill_next_token_bitmask(matcher.matcher, bitmask, row)
+        rows = [(matcher.matcher, row) for row, matcher in enumerate(matchers)]
+        llguidance.torch.fill_next_token_bitmask_par(self.threads, rows, bitmask)
         return bitmask
-
 
     def bitmasks_along(self, matcher: GrammarMatcher, tokens: list[int]) -> torch.Tensor:
         """The masks before each of `tokens` and after the last ([len(tokens) + 1, words]): what a verification

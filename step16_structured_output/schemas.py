@@ -12,9 +12,10 @@ SCHEMAS = {
     "array": {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
                                                         "minItems": 1, "maxItems": 3}},
               "required": ["tags"], "additionalProperties": False},
+    # A number's digits are bounded only by a step (multipleOf): without one, 0.1111... is valid for ever.
     "nested": {"type": "object", "properties": {"point": {
-        "type": "object", "properties": {"x": {"type": "number", "minimum": -10, "maximum": 10},
-                                         "y": {"type": "number", "minimum": -10, "maximum": 10}},
+        "type": "object", "properties": {"x": {"type": "number", "minimum": -10, "maximum": 10, "multipleOf": 0.25},
+                                         "y": {"type": "number", "minimum": -10, "maximum": 10, "multipleOf": 0.25}},
         "required": ["x", "y"], "additionalProperties": False}}, "required": ["point"], "additionalProperties": False},
     "pattern": {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
                 "required": ["code"], "additionalProperties": False},

@@ -191,3 +191,18 @@ def test_bench_replicas_spreads_a_fixed_workload(tmp_path: Path) -> None:
     assert [r["replicas"] for r in runs] == [1, 2]
     assert all(r["output_tokens"] == 32 for r in runs)
     assert sum(runs[1]["requests_routed"]) == 8 and min(runs[1]["requests_routed"]) >= 3
+
+
+def test_bench_grammar_with_its_decode_cost(tmp_path: Path) -> None:
+    """Outputs that parse, the grammar's own costs, and decode free against constrained, each way's requests
+    carrying the format they are said to."""
+    from step16_structured_output.bench import bench_grammar
+
+    out = tmp_path / "grammar.json"
+    assert bench_grammar.main([*TINY, "--prompts", "2", "--schemas", "enum", "--max-tokens", "24",
+                               "--decode-batch-sizes", "1,4", "--decode-tokens", "6", "--output", str(out)]) == 0
+    doc = written(out)
+    assert doc["outputs"][0]["constrained greedy"]["valid"] == 1.0
+    assert [row["batch"] for row in doc["decode"]] == [1, 4]
+    assert set(doc["decode"][1]) >= {"free", "every request constrained", "every other request constrained"}
+    assert all(doc["decode"][1][way]["tok_per_s"] > 0 for way in ("free", "every other request constrained"))
