@@ -80,6 +80,20 @@ def render_grammar(path: str, doc: Doc) -> list[str]:
                      "constrained sampled: valid"], rows, text_columns=1)
 
 
+def render_grammar_decode(path: str, doc: Doc) -> list[str]:
+    """bench_grammar.py's decode cost: per batch, output tok/s free, with every request constrained and with every
+    other one, and each against free (the free requests beside constrained ones decode at the batch's pace)."""
+    def way(row: Doc, name: str) -> list[str]:
+        if name not in row:
+            return ["-", "-"]
+        return [f"{row[name]['tok_per_s']:,.1f}", f"{row[name]['vs_free']:.2f}x"]
+
+    rows = [[str(r["batch"]), f"{r['free']['tok_per_s']:,.1f}", *way(r, "every request constrained"),
+             *way(r, "every other request constrained")] for r in doc["decode"]]
+    return markdown(["batch", "free tok/s", "all constrained tok/s", "vs free", "half constrained tok/s", "vs free"],
+                    rows, text_columns=1)
+
+
 def budget_label(row: Doc) -> str:
     """A budget as bench_long_prompt.py names it, with the number the engine chose for "default"."""
     if row["budget"] == "default" and row.get("budget_tokens"):
@@ -498,6 +512,7 @@ RENDERERS = (
     Renderer("burst-serve", lambda doc: "burst" in first(doc, "runs"), render_burst_serve),
     Renderer("open-loop", lambda doc: "goodput_req_per_s" in first(doc, "runs"), render_open_loop),
     Renderer("grammar", lambda doc: "constrained greedy" in first(doc, "outputs"), render_grammar),
+    Renderer("grammar-decode", lambda doc: "free" in first(doc, "decode"), render_grammar_decode),
     Renderer("prefix", lambda doc: "scenario" in first(doc, "runs"), render_prefix),
     Renderer("stall", lambda doc: bool(first(doc, "stall")), render_stall),
     Renderer("burst", lambda doc: bool(first(doc, "burst")), render_burst),

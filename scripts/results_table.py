@@ -14,7 +14,8 @@ The kind of a file is read from what it holds (scripts/renderers.py: `RENDERERS`
     preempt               step07_preemption/bench/bench_preempt.py: gpu/preempt.json
     serve                 step08_serve/bench/bench_serve.py: gpu/serve-*.json
     open-loop             step08_serve/bench/bench_open_loop.py: gpu/open-loop-*.json
-    grammar               step16_structured_output/bench/bench_grammar.py: cpu/grammar.json
+    grammar,              step16_structured_output/bench/bench_grammar.py: */grammar.json; grammar-decode is its decode
+    grammar-decode        tok/s free against constrained
     stall, burst          step09_chunked_prefill/bench/bench_long_prompt.py: gpu/stall-*.json, gpu/burst-*.json,
                           cpu/stall.json (a file holding both scenarios is shown as stall; --kind burst for the other)
     burst-serve           step09_chunked_prefill/bench/bench_burst_serve.py: gpu/burst-serve.json
