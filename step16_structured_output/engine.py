@@ -88,7 +88,7 @@ class StructuredOutputEngine(BatchInvariantEngine):
 
     def __init__(self, loaded: LoadedModel, config: StructuredOutputEngineConfig) -> None:
         super().__init__(loaded, config)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
 
     def check_request(self, request: Request) -> None:
         super().check_request(request)

@@ -59,11 +59,13 @@ class GrammarCompiler:
     """The tokenizer as llguidance walks it (built once: about a second), and each format's grammar, cached by the
     format's text, so that a schema every request of an application sends is compiled once."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         # The model's vocabulary may be wider than the tokenizer's (Qwen2.5-7B: 152,064 rows, 151,665 tokens): the
-        # bitmask spans the model's, and a row no token names is never allowed.
+        # bitmask spans the model's, and a row no token names is never allowed. The grammar ends at the tokenizer's
+        # end-of-sequence tokens: a checkpoint's tokenizer holds its config's too, and a random model's config may
+        # name ids its borrowed tokenizer lacks.
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size,
-                                                      eos_token=sorted(eos_token_ids))
+                                                      eos_token=sorted(tokenizer.eos_token_ids))
         self.vocab_size = vocab_size
         self.grammar = lru_cache(maxsize=256)(grammar_text)
         self.threads = llguidance.LLExecutor()  # most of the host's cores (llguidance's default)

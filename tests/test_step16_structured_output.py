@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jsonschema
 import pytest
@@ -15,7 +15,8 @@ from openai import BadRequestError, OpenAI
 from pydantic import BaseModel, Field
 from transformers import PreTrainedModel
 
-from common.loading import LoadedModel
+from common.config import tiny_config
+from common.loading import LoadedModel, embedded_tokenizer, random_model
 from common.prompts import PARITY_PROMPTS
 from common.reference import hf_model_for, reference_logits
 from common.sampling import SamplingParams, StructuredOutput
@@ -146,6 +147,19 @@ def run_arriving(engine: StructuredOutputEngine, prompts: list[list[int]], param
             run.alternatives += [[token for token, _ in record.top] for record in out.logprobs]
         steps += 1
     return run
+
+
+def test_a_random_model_whose_config_names_an_end_its_tokenizer_lacks() -> None:
+    """random:qwen2.5-7b borrows the embedded tokenizer (49,152 tokens) while its config ends at 151,645: the grammar
+    ends at the tokenizer's end-of-sequence, and its masks span the model's wider vocabulary."""
+    config = replace(tiny_config("qwen2"), vocab_size=49_280, eos_token_ids=(49_200,))
+    loaded = LoadedModel("wide", random_model(config, torch.device("cpu"), torch.float32), embedded_tokenizer(), None)
+    engine = StructuredOutputEngine(loaded, StructuredOutputEngineConfig(device="cpu", num_blocks=64))
+    prompt = loaded.tokenizer.apply_chat_template(PARITY_PROMPTS[0])
+    (completion,) = engine.generate([prompt], SamplingParams(max_tokens=8, structured=StructuredOutput(
+        "choice", json.dumps(["yes", "no"]))))
+    assert completion.text in ("yes", "no") and completion.finish_reason.value == "stop"
+    assert engine.grammars.bitmask([engine.grammars.matcher(StructuredOutput("json_object"))]).shape == (1, 49_280 // 32)
 
 
 def test_the_mask_unpacks_bit_j_of_word_w_to_token_32w_plus_j() -> None:

@@ -87,7 +87,7 @@ def costs(engine: StructuredOutputEngine, names: Sequence[str], prompt: list[int
           device: torch.device) -> dict[str, Any]:
     """The grammar's own time: the tokenizer's walk, each schema's compile, a mask per token, a batch's apply."""
     started = time.perf_counter()
-    compiler = GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size, engine.eos_token_ids)
+    compiler = GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size)
     tokenizer_s = time.perf_counter() - started
     compile_ms, from_cache_ms, fill_us = {}, {}, []
     for name in names:
