@@ -68,6 +68,8 @@ class Tokenizer:
         """The raw bytes one token stands for. A token holding part of a multi-byte character decodes alone to
         U+FFFD; its bytes are still exact (what an OpenAI logprobs entry's `bytes` reports)."""
         piece = self.hf.convert_ids_to_tokens(token_id)
+        if piece is None:  # a row of the model's vocabulary past the tokenizer's (Qwen2.5-7B pads 151,665 to 152,064)
+            return b""
         if byte := BYTE_FALLBACK.fullmatch(piece):
             return bytes([int(byte.group(1), 16)])
         if all(ch in BYTE_OF_CHAR for ch in piece):  # a byte-level BPE piece

@@ -104,3 +104,12 @@ def test_token_bytes_rebuild_the_text(tokenizer: Tokenizer, text: str) -> None:
     assert b"".join(pieces) == text.encode(), f"{pieces} against {text.encode()}"
     split = [i for i in ids if tokenizer.decode([i]) == REPLACEMENT_CHAR]
     assert split, "the text should hold a character split across tokens"
+
+
+def test_a_row_past_the_tokenizers_vocabulary_is_no_text(tokenizer: Tokenizer) -> None:
+    """A model may have more rows of logits than its tokenizer has tokens (Qwen2.5-7B: 152,064 for 151,665; a
+    random model of its shape borrows the embedded tokenizer's 49,152), and a log-probability's alternatives may
+    name one: it stands for no bytes and no text (the server's logprobs answered 500 on the GPU before)."""
+    past = len(tokenizer.hf) + 7
+    assert tokenizer.token_bytes(past) == b""
+    assert tokenizer.decode([past]) == ""
