@@ -68,6 +68,16 @@ def render_open_loop(path: str, doc: Doc) -> list[str]:
                      "failed"], rows, text_columns=1)
 
 
+def render_soak(path: str, doc: Doc) -> list[str]:
+    """step08_serve/bench/soak.py: each kind of request sent over the run and how it ended, then the checks (none
+    lost, the KV pool back to empty, resident memory against its warm value)."""
+    rows = [[outcome, f"{count:,}"] for outcome, count in sorted(doc["outcomes"].items())]
+    checks = doc["checks"]
+    rows += [["lost", f"{checks['lost_requests']:,}"], ["KV blocks used after", f"{checks['kv_blocks_used_after']:.0f}"],
+             ["resident memory after vs warm", f"{checks['rss_after_vs_warm']:.3f}x"]]
+    return markdown(["requests, by kind and outcome", "count"], rows, text_columns=1)
+
+
 def render_grammar(path: str, doc: Doc) -> list[str]:
     """step16_structured_output/bench/bench_grammar.py: per schema, the share of outputs that parse as JSON and that
     validate against the schema, unconstrained and under the grammar (greedy and sampled)."""
@@ -511,6 +521,7 @@ RENDERERS = (
     Renderer("serve", lambda doc: "concurrency" in first(doc, "runs"), render_serve),
     Renderer("burst-serve", lambda doc: "burst" in first(doc, "runs"), render_burst_serve),
     Renderer("open-loop", lambda doc: "goodput_req_per_s" in first(doc, "runs"), render_open_loop),
+    Renderer("soak", lambda doc: "rss_after_vs_warm" in doc.get("checks", {}), render_soak),
     Renderer("grammar", lambda doc: "constrained greedy" in first(doc, "outputs"), render_grammar),
     Renderer("grammar-decode", lambda doc: "free" in first(doc, "decode"), render_grammar_decode),
     Renderer("prefix", lambda doc: "scenario" in first(doc, "runs"), render_prefix),

@@ -14,6 +14,7 @@ The kind of a file is read from what it holds (scripts/renderers.py: `RENDERERS`
     preempt               step07_preemption/bench/bench_preempt.py: gpu/preempt.json
     serve                 step08_serve/bench/bench_serve.py: gpu/serve-*.json
     open-loop             step08_serve/bench/bench_open_loop.py: gpu/open-loop-*.json
+    soak                  step08_serve/bench/soak.py: gpu/soak.json
     grammar,              step16_structured_output/bench/bench_grammar.py: */grammar.json; grammar-decode is its decode
     grammar-decode        tok/s free against constrained
     stall, burst          step09_chunked_prefill/bench/bench_long_prompt.py: gpu/stall-*.json, gpu/burst-*.json,

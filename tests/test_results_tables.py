@@ -109,6 +109,7 @@ FIGURES = [
      lambda d: (2, "vs concurrency 1", f"{d['runs'][2]['output_tok_per_s'] / d['runs'][0]['output_tok_per_s']:.2f}x")),
     ("grammar", "results/cpu/grammar.json", lambda d: (0, "constrained greedy: valid",
                                                         f"{d['outputs'][0]['constrained greedy']['valid']:.0%}")),
+    ("soak", f"{GPU}/soak.json", lambda d: (len(d["outcomes"]), "count", f"{d['checks']['lost_requests']:,}")),
     ("grammar-decode", "results/cpu/grammar.json", lambda d: (
         1, "half constrained tok/s", f"{d['decode'][1]['every other request constrained']['tok_per_s']:,.1f}")),
     ("open-loop", f"{GPU}/open-loop-step15.json",
