@@ -1,0 +1,67 @@
+"""Step 17: FP8 weights. e4m3 by hand, a scale per row against one per tensor, and a tiny model whose projections
+are FP8 giving, token for token, what HF gives with the dequantized weights."""
+
+from __future__ import annotations
+
+import torch
+
+from common.loading import load_model
+from common.prompts import PARITY_PROMPTS
+from common.reference import hf_model_for, reference_greedy
+from common.sampling import SamplingParams
+from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
+from step17_fp8_weights.fp8 import E4M3_MAX, PROJECTIONS, Fp8Linear, quantize, quantize_projections
+
+
+def test_a_row_by_hand() -> None:
+    """The row's largest magnitude sets its scale (4.48 / 448 = 0.01) and lands on 448; 1.0 / 0.01 = 100 is not an
+    e4m3 value (96 and 104 are: 8 steps of 8 between 64 and 128), and rounds to 96 (a tie goes to the even
+    mantissa), so it comes back as 0.96."""
+    q = quantize(torch.tensor([[4.48, -1.0, 0.5, 0.0]]))
+    assert torch.allclose(q.scale, torch.tensor([0.01]))
+    assert q.values.float().tolist() == [[448.0, -96.0, 48.0, 0.0]]
+    assert torch.allclose(q.dequantize(), torch.tensor([[4.48, -0.96, 0.48, 0.0]]))
+
+
+def test_every_weight_comes_back_within_a_sixteenth() -> None:
+    weight = torch.randn(64, 256) * torch.logspace(-3, 0, 64)[:, None]  # rows whose ranges span 1,000x
+    back = quantize(weight).dequantize()
+    normal = weight.abs() >= weight.abs().amax(dim=1, keepdim=True) / E4M3_MAX * 2**-6  # e4m3's normal range
+    assert ((back - weight).abs() <= weight.abs() / 16 + 1e-12)[normal].all()
+
+
+def test_a_scale_per_row_keeps_small_rows_that_one_per_tensor_loses() -> None:
+    """e4m3 spans about 2^17 from its smallest subnormal to 448, so one scale for the tensor loses only rows far
+    below the largest: here, rows a million to 30,000 times smaller come back as (mostly) zero."""
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 0, 64)[:, None]
+    row_error = (quantize(weight).dequantize() - weight).norm(dim=1) / weight.norm(dim=1)
+    tensor_error = (quantize(weight, per_row=False).dequantize() - weight).norm(dim=1) / weight.norm(dim=1)
+    assert row_error.max() < 0.04  # every row within a few percent
+    assert tensor_error[:8].min() > 0.5 and tensor_error[-32:].max() < 0.04
+
+
+def test_the_layer_multiplies_by_the_dequantized_weight() -> None:
+    weight, bias, x = torch.randn(24, 40), torch.randn(24), torch.randn(5, 40)
+    layer = Fp8Linear(quantize(weight), bias)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, quantize(weight).dequantize(), bias))
+    assert layer.values.dtype == torch.float8_e4m3fn and layer.values.nbytes == weight.numel()
+
+
+def test_a_tiny_model_with_fp8_projections_equals_hf_with_the_dequantized_weights() -> None:
+    """Every path below the engine reads the projections through the module, so the engine needs no change to
+    run FP8 weights on a CPU; the oracle is HF's model with each projection's weight replaced by its dequantized
+    value."""
+    engine_model, oracle = load_model("tiny-qwen2"), load_model("tiny-qwen2")  # the same seeded weights
+    saved = quantize_projections(engine_model.model)
+    for layer in oracle.model.model.layers:
+        for path in PROJECTIONS:
+            linear = layer.get_submodule(path)
+            linear.weight.data = quantize(linear.weight.data).dequantize(linear.weight.dtype)
+    assert saved > 0
+    hf = hf_model_for(oracle)
+    engine = PagedAttentionEngine(engine_model, PagedAttentionEngineConfig(device="cpu", num_blocks=64))
+    prompts = [engine_model.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:3]]
+    got = engine.generate(prompts, SamplingParams(max_tokens=12))
+    eos = engine_model.tokenizer.eos_token_ids
+    for prompt, completion in zip(prompts, got, strict=True):
+        assert completion.token_ids == reference_greedy(hf, prompt, 12, eos)
