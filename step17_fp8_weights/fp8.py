@@ -65,7 +65,7 @@ class Fp8Linear(nn.Module):
         return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
 
 
-def quantize_projections(model: CausalLM) -> int:
+def quantize_projections(model: CausalLM, per_row: bool = True) -> int:
     """Replace each decoder layer's seven projections by an `Fp8Linear`, in place; the embedding, the norms and the
     output head keep their dtype. Returns how many bytes of weights the model holds fewer."""
     saved = 0
@@ -74,7 +74,8 @@ def quantize_projections(model: CausalLM) -> int:
             parent_name, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_name)
             linear = getattr(parent, name)
-            fp8 = Fp8Linear(quantize(linear.weight.detach()), None if linear.bias is None else linear.bias.detach())
+            bias = None if linear.bias is None else linear.bias.detach()
+            fp8 = Fp8Linear(quantize(linear.weight.detach(), per_row), bias)
             saved += linear.weight.nbytes - fp8.values.nbytes - fp8.scale.nbytes
             setattr(parent, name, fp8)
     return saved
