@@ -13,6 +13,7 @@ weights are is measured on the embedded model.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -79,3 +80,19 @@ def quantize_projections(model: CausalLM, per_row: bool = True) -> int:
             saved += linear.weight.nbytes - fp8.values.nbytes - fp8.scale.nbytes
             setattr(parent, name, fp8)
     return saved
+
+
+def fp8_twin(model: CausalLM, per_row: bool = True) -> CausalLM:
+    """A copy of `model` whose projections are FP8 (`quantize_projections`), over the very same embedding, norms and
+    head (nothing else is copied; `model` itself is left as it was, for the engines that share it). Once nothing
+    holds `model`, its higher-precision projections are freed: the weights then take about half the memory."""
+    assert model.rope is not None, "call prepare(device) first"
+    shared = [*model.parameters(), *model.buffers(), model.rope.cos, model.rope.sin]
+    twin = copy.deepcopy(model, memo={id(item): item for item in shared})
+    quantize_projections(twin, per_row)
+    return twin
+
+
+def weight_bytes(model: CausalLM) -> int:
+    """The bytes of the model's weights: its parameters and buffers (the FP8 values and scales among them)."""
+    return sum(t.nbytes for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())

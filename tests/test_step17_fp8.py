@@ -3,14 +3,21 @@ are FP8 giving, token for token, what HF gives with the dequantized weights."""
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
+import pytest
 import torch
 
-from common.loading import load_model
+from common.loading import LoadedModel, load_model
 from common.prompts import PARITY_PROMPTS
 from common.reference import hf_model_for, reference_greedy
 from common.sampling import SamplingParams
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
-from step17_fp8_weights.fp8 import E4M3_MAX, PROJECTIONS, Fp8Linear, quantize, quantize_projections
+from step17_fp8_weights.engine import Fp8WeightsEngine, Fp8WeightsEngineConfig
+from step17_fp8_weights.fp8 import E4M3_MAX, PROJECTIONS, Fp8Linear, fp8_twin, quantize, quantize_projections, weight_bytes
+from tests.helpers import hf_tokens
+from tests.test_sampling_controls import ALWAYS_PROPOSE
 
 
 def test_a_row_by_hand() -> None:
@@ -65,3 +72,49 @@ def test_a_tiny_model_with_fp8_projections_equals_hf_with_the_dequantized_weight
     eos = engine_model.tokenizer.eos_token_ids
     for prompt, completion in zip(prompts, got, strict=True):
         assert completion.token_ids == reference_greedy(hf, prompt, 12, eos)
+
+
+def dequantized(loaded: LoadedModel) -> LoadedModel:
+    """The model with each projection's weight replaced by its FP8 value, dequantized: the float32 reference."""
+    model = copy.deepcopy(loaded.model)
+    for layer in model.model.layers:
+        for path in PROJECTIONS:
+            linear = layer.get_submodule(path)
+            linear.weight.data = quantize(linear.weight.data).dequantize(linear.weight.dtype)
+    return replace(loaded, model=model)
+
+
+PATHS = {"eager": {}, "chunked": {"max_num_batched_tokens": 16}, "speculative": {"speculative_tokens": 4, **ALWAYS_PROPOSE},
+         "overlap": {"overlap": True}, "preempted": {"block_size": 4, "num_blocks": 40}}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_with_fp8_weights_equals_the_dequantized_reference(tiny: LoadedModel, path: str) -> None:
+    """The final engine with `quantization="fp8"` on each tiny architecture, along each path (prompts in chunks,
+    proposals verified, the host overlapped, requests preempted), then the same prompts again (prefix-cache hits):
+    HF's greedy tokens with the dequantized weights, token for token."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:6]]
+    expected = hf_tokens(dequantized(tiny), prompts, 16)
+    engine = Fp8WeightsEngine(tiny, Fp8WeightsEngineConfig(device="cpu", quantization="fp8",
+                                                           **({"num_blocks": 256} | PATHS[path])))
+    for _ in range(2):  # the second time, every prompt's blocks are in the prefix cache
+        assert [c.token_ids for c in engine.generate(prompts, SamplingParams(max_tokens=16))] == expected
+    assert engine.hit_tokens > 0
+    assert path != "preempted" or engine.preemptions > 0
+    assert path != "speculative" or engine.accepted_tokens > 0
+
+
+def test_the_twin_leaves_the_loaded_model_as_it_was_and_holds_half_the_projection_bytes(tiny: LoadedModel) -> None:
+    before = {name: t.clone() for name, t in tiny.model.state_dict().items()}
+    twin = fp8_twin(tiny.model)
+    assert all(torch.equal(t, before[name]) for name, t in tiny.model.state_dict().items())
+    assert isinstance(twin.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert twin.model.embed_tokens.weight is tiny.model.model.embed_tokens.weight  # shared, not copied
+    # Each projection's float32 weight (4 bytes a value) becomes a byte a value and a float32 scale a row.
+    weights = [layer.get_submodule(p).weight for layer in tiny.model.model.layers for p in PROJECTIONS]
+    assert weight_bytes(tiny.model) - weight_bytes(twin) == sum(w.nbytes - w.numel() - 4 * w.shape[0] for w in weights)
+
+
+def test_an_unknown_quantization_is_refused(tiny: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="the choices are fp8"):
+        Fp8WeightsEngine(tiny, Fp8WeightsEngineConfig(device="cpu", num_blocks=16, quantization="int4"))
