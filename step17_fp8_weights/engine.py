@@ -31,6 +31,9 @@ class Fp8WeightsEngine(StructuredOutputEngine):
             raise ValueError(f"--quantization {config.quantization}: the choices are {', '.join(QUANTIZATIONS)}")
         self.loaded_weight_bytes = weight_bytes(loaded.model)
         if config.quantization == "fp8":
+            if config.batch_invariant:
+                raise ValueError("--batch-invariant multiplies through its own kernels, which read higher-precision "
+                                 "weights, not FP8 ones: drop --quantization or --batch-invariant")
             if config.fused_ops:
                 raise ValueError("--quantization fp8 runs the model's own projections (step 13's packed ones read "
                                  "higher-precision weights): drop --fused-ops")

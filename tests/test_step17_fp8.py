@@ -118,3 +118,9 @@ def test_the_twin_leaves_the_loaded_model_as_it_was_and_holds_half_the_projectio
 def test_an_unknown_quantization_is_refused(tiny: LoadedModel) -> None:
     with pytest.raises(ValueError, match="the choices are fp8"):
         Fp8WeightsEngine(tiny, Fp8WeightsEngineConfig(device="cpu", num_blocks=16, quantization="int4"))
+
+
+def test_batch_invariance_with_fp8_is_refused_in_one_line(tiny: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="drop --quantization or --batch-invariant"):
+        Fp8WeightsEngine(tiny, Fp8WeightsEngineConfig(device="cpu", num_blocks=16, quantization="fp8",
+                                                      batch_invariant=True))
