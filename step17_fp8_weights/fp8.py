@@ -24,6 +24,7 @@ from common.model import CausalLM
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448.0
+FP8_KERNEL_ROWS = 64  # up to this many rows, `fp8_matmul` (decode is read-bound); past it, the widened values
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -48,8 +49,9 @@ def quantize(weight: torch.Tensor, per_row: bool = True) -> Fp8Weight:
 
 
 class Fp8Linear(nn.Module):
-    """A projection whose weight is kept as e4m3 values and row scales: half the bytes of bf16. Here it multiplies
-    by the dequantized weight, which is what a kernel reading the e4m3 values computes, up to the order of its sums."""
+    """A projection whose weight is kept as e4m3 values and row scales: half the bytes of bf16. A decode step's few
+    rows on a GPU go through our kernel (`fp8_matmul`); otherwise the values are widened to the input's dtype,
+    multiplied, and each output feature scaled after: the kernel's arithmetic, up to the order of its sums."""
 
     def __init__(self, weight: Fp8Weight, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -63,7 +65,13 @@ class Fp8Linear(nn.Module):
         return Fp8Weight(self.values, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
+        if x.is_cuda and x.numel() // x.shape[-1] <= FP8_KERNEL_ROWS:
+            from step17_fp8_weights.fp8_matmul import fp8_matmul  # Triton: loaded where there is a GPU
+
+            rows = fp8_matmul(x.reshape(-1, x.shape[-1]), self.values, self.scale, self.bias)
+            return rows.reshape(*x.shape[:-1], self.out_features)
+        scaled = F.linear(x, self.values.to(x.dtype)) * self.scale.to(x.dtype)
+        return scaled if self.bias is None else scaled + self.bias
 
 
 def quantize_projections(model: CausalLM, per_row: bool = True) -> int:
