@@ -83,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandLineError as err:
         return fail(err)
     device = torch.device("cpu")
+    # Taken before the runs: the commit and dirty flag describe the code that is about to run.
+    header = evidence_header(device, args.model, torch.float32, prompts=args.prompts, max_tokens=args.max_tokens,
+                             text=str(TEXT.relative_to(TEXT.parents[2])))
     rows: list[dict[str, Any]] = []
     reference: dict[str, Any] = {}
     for name, per_row in VARIANTS.items():
@@ -112,8 +115,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" ({row['perplexity_vs_float32']:.4f}x), same token {row['same_token_share']:.1%}, agreed for "
             f"{row['agreed_prefix_mean']:.1f} tokens, last layer's error {row['layer_relative_error'][-1]:.2%}"
             if per_row is not None else ""), flush=True)
-    header = evidence_header(device, args.model, torch.float32, prompts=args.prompts, max_tokens=args.max_tokens,
-                             text=str(TEXT.relative_to(TEXT.parents[2])))
     write_json(args.output or default_output("step17_fp8_weights", "accuracy", device.type, args.model),
                header | {"variants": rows})
     return 0
