@@ -53,12 +53,20 @@ class Fp8Linear(nn.Module):
     rows on a GPU go through our kernel (`fp8_matmul`); otherwise the values are widened to the input's dtype,
     multiplied, and each output feature scaled after: the kernel's arithmetic, up to the order of its sums."""
 
-    def __init__(self, weight: Fp8Weight, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.register_buffer("values", weight.values)
         self.register_buffer("scale", weight.scale)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_features, self.in_features = weight.values.shape
+        self.dtype = dtype  # the model's: what the layer's output, and a reader of its state, get
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """A reader of the model's state (HF's model, built as the reference from it) gets a linear layer: the
+        dequantized weight in the model's dtype, and the bias."""
+        destination[prefix + "weight"] = self.weight.dequantize(self.dtype)
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
     @property
     def weight(self) -> Fp8Weight:
@@ -84,7 +92,7 @@ def quantize_projections(model: CausalLM, per_row: bool = True) -> int:
             parent = layer.get_submodule(parent_name)
             linear = getattr(parent, name)
             bias = None if linear.bias is None else linear.bias.detach()
-            fp8 = Fp8Linear(quantize(linear.weight.detach(), per_row), bias)
+            fp8 = Fp8Linear(quantize(linear.weight.detach(), per_row), bias, linear.weight.dtype)
             saved += linear.weight.nbytes - fp8.values.nbytes - fp8.scale.nbytes
             setattr(parent, name, fp8)
     return saved

@@ -124,3 +124,16 @@ def test_batch_invariance_with_fp8_is_refused_in_one_line(tiny: LoadedModel) -> 
     with pytest.raises(ValueError, match="drop --quantization or --batch-invariant"):
         Fp8WeightsEngine(tiny, Fp8WeightsEngineConfig(device="cpu", num_blocks=16, quantization="fp8",
                                                       batch_invariant=True))
+
+
+def test_the_twins_state_is_the_dequantized_model_hf_runs_as_the_reference(tiny: LoadedModel) -> None:
+    """What a reader of the FP8 model's state gets (as `hf_model_for` builds the dry run's reference from it): each
+    projection's dequantized weight in the model's dtype, under the linear layer's names."""
+    twin = fp8_twin(tiny.model)
+    state = twin.state_dict()
+    assert set(state) == set(tiny.model.state_dict())
+    down = tiny.model.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(state["model.layers.1.mlp.down_proj.weight"], quantize(down).dequantize(down.dtype))
+    prompt = tiny.tokenizer.apply_chat_template(PARITY_PROMPTS[0])
+    assert reference_greedy(hf_model_for(replace(tiny, model=twin)), prompt, 12, tiny.tokenizer.eos_token_ids) == \
+        reference_greedy(hf_model_for(dequantized(tiny)), prompt, 12, tiny.tokenizer.eos_token_ids)
