@@ -66,6 +66,8 @@ STEPS: tuple[Step, ...] = (
          "step15_batch_invariant.engine:BatchInvariantEngine"),
     Step("step16_structured_output", "output held to a JSON schema, a regular expression or choices, token by token",
          "step16_structured_output.engine:StructuredOutputEngine"),
+    Step("step17_fp8_weights", "the projections in FP8 with a scale per row: half the bytes a decode step reads",
+         "step17_fp8_weights.engine:Fp8WeightsEngine"),
 )
 STEP_NAMES: tuple[str, ...] = tuple(step.name for step in STEPS)
 
@@ -76,7 +78,7 @@ LESSON_PATH: tuple[str, ...] = (
     "step01_serial", "step02_paged_kv", "step03_vectorized_gather", "step06_paged_attention", "step05_profiling",
     "step07_preemption", "step08_serve", "step09_chunked_prefill", "step10_prefix_caching",
     "step11_speculative_decoding", "step12_cuda_graph", "step13_fused_decode", "step14_overlap_scheduling",
-    "step15_batch_invariant", "step16_structured_output", "step04_multi_gpu",
+    "step15_batch_invariant", "step16_structured_output", "step17_fp8_weights", "step04_multi_gpu",
 )
 
 

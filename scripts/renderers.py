@@ -104,6 +104,21 @@ def render_grammar_decode(path: str, doc: Doc) -> list[str]:
                     rows, text_columns=1)
 
 
+def render_fp8_accuracy(path: str, doc: Doc) -> list[str]:
+    """step17_fp8_weights/bench/bench_accuracy.py: per variant (float32, FP8 with a scale per row, with one per
+    tensor), the weights' size, the text's perplexity and against float32, greedy agreement with float32 (the share
+    of positions with the same token, and the tokens agreed before the first difference), the last layer's error."""
+    def against(row: Doc, key: str, text: str) -> str:
+        return "-" if key not in row else text.format(row[key])
+
+    rows = [[r["variant"], f"{r['weight_bytes'] / 2**20:,.0f}", f"{r['perplexity']:.3f}",
+             against(r, "perplexity_vs_float32", "{:.4f}x"), against(r, "same_token_share", "{:.0%}"),
+             against(r, "agreed_prefix_mean", "{:.1f}"),
+             "-" if "layer_relative_error" not in r else f"{r['layer_relative_error'][-1]:.1%}"] for r in doc["variants"]]
+    return markdown(["weights", "MiB", "perplexity", "vs float32", "same token as float32", "tokens agreed",
+                     "last layer's error"], rows, text_columns=1)
+
+
 def budget_label(row: Doc) -> str:
     """A budget as bench_long_prompt.py names it, with the number the engine chose for "default"."""
     if row["budget"] == "default" and row.get("budget_tokens"):
@@ -524,6 +539,7 @@ RENDERERS = (
     Renderer("soak", lambda doc: "rss_after_vs_warm" in doc.get("checks", {}), render_soak),
     Renderer("grammar", lambda doc: "constrained greedy" in first(doc, "outputs"), render_grammar),
     Renderer("grammar-decode", lambda doc: "free" in first(doc, "decode"), render_grammar_decode),
+    Renderer("fp8-accuracy", lambda doc: "perplexity" in first(doc, "variants"), render_fp8_accuracy),
     Renderer("prefix", lambda doc: "scenario" in first(doc, "runs"), render_prefix),
     Renderer("stall", lambda doc: bool(first(doc, "stall")), render_stall),
     Renderer("burst", lambda doc: bool(first(doc, "burst")), render_burst),

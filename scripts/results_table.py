@@ -17,6 +17,7 @@ The kind of a file is read from what it holds (scripts/renderers.py: `RENDERERS`
     soak                  step08_serve/bench/soak.py: gpu/soak.json
     grammar,              step16_structured_output/bench/bench_grammar.py: */grammar.json; grammar-decode is its decode
     grammar-decode        tok/s free against constrained
+    fp8-accuracy          step17_fp8_weights/bench/bench_accuracy.py: cpu/fp8-accuracy.json
     stall, burst          step09_chunked_prefill/bench/bench_long_prompt.py: gpu/stall-*.json, gpu/burst-*.json,
                           cpu/stall.json (a file holding both scenarios is shown as stall; --kind burst for the other)
     burst-serve           step09_chunked_prefill/bench/bench_burst_serve.py: gpu/burst-serve.json

@@ -206,3 +206,16 @@ def test_bench_grammar_with_its_decode_cost(tmp_path: Path) -> None:
     assert [row["batch"] for row in doc["decode"]] == [1, 4]
     assert set(doc["decode"][1]) >= {"free", "every request constrained", "every other request constrained"}
     assert all(doc["decode"][1][way]["tok_per_s"] > 0 for way in ("free", "every other request constrained"))
+
+
+def test_bench_fp8_accuracy(tmp_path: Path) -> None:
+    """Float32 against FP8 projections (a scale per row, one per tensor): perplexity, layer errors, agreement."""
+    from step17_fp8_weights.bench import bench_accuracy
+
+    out = tmp_path / "accuracy.json"
+    assert bench_accuracy.main(["--model", "tiny-llama", "--prompts", "2", "--max-tokens", "4", "--text-tokens", "64",
+                                "--output", str(out)]) == 0
+    variants = written(out)["variants"]
+    assert [v["variant"] for v in variants] == list(bench_accuracy.VARIANTS)
+    assert variants[1]["weight_bytes"] < variants[0]["weight_bytes"]
+    assert len(variants[1]["layer_relative_error"]) == 2 and 0 < variants[1]["layer_relative_error"][-1] < 1

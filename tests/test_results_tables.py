@@ -110,6 +110,8 @@ FIGURES = [
     ("grammar", "results/cpu/grammar.json", lambda d: (0, "constrained greedy: valid",
                                                         f"{d['outputs'][0]['constrained greedy']['valid']:.0%}")),
     ("soak", f"{GPU}/soak.json", lambda d: (len(d["outcomes"]), "count", f"{d['checks']['lost_requests']:,}")),
+    ("fp8-accuracy", "results/cpu/fp8-accuracy.json",
+     lambda d: (1, "vs float32", f"{d['variants'][1]['perplexity_vs_float32']:.4f}x")),
     ("grammar-decode", "results/cpu/grammar.json", lambda d: (
         1, "half constrained tok/s", f"{d['decode'][1]['every other request constrained']['tok_per_s']:,.1f}")),
     ("open-loop", f"{GPU}/open-loop-step15.json",

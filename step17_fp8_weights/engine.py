@@ -1,0 +1,47 @@
+"""Step 17: FP8 weights. Each decoder layer's projections kept in e4m3 with a scale per row: half the bytes of
+bf16, and a decode step's time follows the bytes it reads.
+
+Against step 16, `Fp8WeightsEngine` changes one thing when asked (`quantization="fp8"`, `--quantization fp8`): it
+runs a twin of the loaded model whose projections are `Fp8Linear` (`fp8.fp8_twin`), quantized as it starts from
+whatever checkpoint was loaded. The embedding, the norms and the output head keep their dtype. Here the projections
+multiply by their dequantized weights, on every path, eager or captured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from common.loading import LoadedModel
+from step16_structured_output.engine import StructuredOutputEngine, StructuredOutputEngineConfig
+from step17_fp8_weights.fp8 import fp8_twin, weight_bytes
+from step17_fp8_weights.run import QUANTIZATIONS  # one list, where the command line reads it without torch
+
+
+@dataclass
+class Fp8WeightsEngineConfig(StructuredOutputEngineConfig):
+    # "fp8": the projections in e4m3 with a scale per row, quantized as the engine starts. None: as loaded.
+    quantization: str | None = None
+
+
+class Fp8WeightsEngine(StructuredOutputEngine):
+    config_class = Fp8WeightsEngineConfig
+
+    def __init__(self, loaded: LoadedModel, config: Fp8WeightsEngineConfig) -> None:
+        if config.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"--quantization {config.quantization}: the choices are {', '.join(QUANTIZATIONS)}")
+        self.loaded_weight_bytes = weight_bytes(loaded.model)
+        if config.quantization == "fp8":
+            if config.batch_invariant:
+                raise ValueError("--batch-invariant multiplies through its own kernels, which read higher-precision "
+                                 "weights, not FP8 ones: drop --quantization or --batch-invariant")
+            if config.fused_ops:
+                raise ValueError("--quantization fp8 runs the model's own projections (step 13's packed ones read "
+                                 "higher-precision weights): drop --fused-ops")
+            config = replace(config, fused_ops=False)
+            loaded = replace(loaded, model=fp8_twin(loaded.model))
+        super().__init__(loaded, config)
+
+    def memory_report(self) -> str:
+        held = weight_bytes(self.model)
+        return (f"{super().memory_report()}\nweights: {held / 2**20:,.0f} MiB ({held / self.loaded_weight_bytes:.2f}x "
+                f"of the loaded model's {self.loaded_weight_bytes / 2**20:,.0f} MiB)")

@@ -1,0 +1,139 @@
+"""Step 17: FP8 weights. e4m3 by hand, a scale per row against one per tensor, and a tiny model whose projections
+are FP8 giving, token for token, what HF gives with the dequantized weights."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from common.loading import LoadedModel, load_model
+from common.prompts import PARITY_PROMPTS
+from common.reference import hf_model_for, reference_greedy
+from common.sampling import SamplingParams
+from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
+from step17_fp8_weights.engine import Fp8WeightsEngine, Fp8WeightsEngineConfig
+from step17_fp8_weights.fp8 import E4M3_MAX, PROJECTIONS, Fp8Linear, fp8_twin, quantize, quantize_projections, weight_bytes
+from tests.helpers import hf_tokens
+from tests.test_sampling_controls import ALWAYS_PROPOSE
+
+
+def test_a_row_by_hand() -> None:
+    """The row's largest magnitude sets its scale (4.48 / 448 = 0.01) and lands on 448; 1.0 / 0.01 = 100 is not an
+    e4m3 value (96 and 104 are: 8 steps of 8 between 64 and 128), and rounds to 96 (a tie goes to the even
+    mantissa), so it comes back as 0.96."""
+    q = quantize(torch.tensor([[4.48, -1.0, 0.5, 0.0]]))
+    assert torch.allclose(q.scale, torch.tensor([0.01]))
+    assert q.values.float().tolist() == [[448.0, -96.0, 48.0, 0.0]]
+    assert torch.allclose(q.dequantize(), torch.tensor([[4.48, -0.96, 0.48, 0.0]]))
+
+
+def test_every_weight_comes_back_within_a_sixteenth() -> None:
+    weight = torch.randn(64, 256) * torch.logspace(-3, 0, 64)[:, None]  # rows whose ranges span 1,000x
+    back = quantize(weight).dequantize()
+    normal = weight.abs() >= weight.abs().amax(dim=1, keepdim=True) / E4M3_MAX * 2**-6  # e4m3's normal range
+    assert ((back - weight).abs() <= weight.abs() / 16 + 1e-12)[normal].all()
+
+
+def test_a_scale_per_row_keeps_small_rows_that_one_per_tensor_loses() -> None:
+    """e4m3 spans about 2^17 from its smallest subnormal to 448, so one scale for the tensor loses only rows far
+    below the largest: here, rows a million to 30,000 times smaller come back as (mostly) zero."""
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 0, 64)[:, None]
+    row_error = (quantize(weight).dequantize() - weight).norm(dim=1) / weight.norm(dim=1)
+    tensor_error = (quantize(weight, per_row=False).dequantize() - weight).norm(dim=1) / weight.norm(dim=1)
+    assert row_error.max() < 0.04  # every row within a few percent
+    assert tensor_error[:8].min() > 0.5 and tensor_error[-32:].max() < 0.04
+
+
+def test_the_layer_multiplies_by_the_dequantized_weight_to_float32s_rounding() -> None:
+    weight, bias, x = torch.randn(24, 40), torch.randn(24), torch.randn(5, 40)
+    layer = Fp8Linear(quantize(weight), bias)
+    assert torch.allclose(layer(x), torch.nn.functional.linear(x, quantize(weight).dequantize(), bias), atol=1e-5)
+    assert layer.values.dtype == torch.float8_e4m3fn and layer.values.nbytes == weight.numel()
+
+
+def test_a_tiny_model_with_fp8_projections_equals_hf_with_the_dequantized_weights() -> None:
+    """Every path below the engine reads the projections through the module, so the engine needs no change to
+    run FP8 weights on a CPU; the oracle is HF's model with each projection's weight replaced by its dequantized
+    value."""
+    engine_model, oracle = load_model("tiny-qwen2"), load_model("tiny-qwen2")  # the same seeded weights
+    saved = quantize_projections(engine_model.model)
+    for layer in oracle.model.model.layers:
+        for path in PROJECTIONS:
+            linear = layer.get_submodule(path)
+            linear.weight.data = quantize(linear.weight.data).dequantize(linear.weight.dtype)
+    assert saved > 0
+    hf = hf_model_for(oracle)
+    engine = PagedAttentionEngine(engine_model, PagedAttentionEngineConfig(device="cpu", num_blocks=64))
+    prompts = [engine_model.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:3]]
+    got = engine.generate(prompts, SamplingParams(max_tokens=12))
+    eos = engine_model.tokenizer.eos_token_ids
+    for prompt, completion in zip(prompts, got, strict=True):
+        assert completion.token_ids == reference_greedy(hf, prompt, 12, eos)
+
+
+def dequantized(loaded: LoadedModel) -> LoadedModel:
+    """The model with each projection's weight replaced by its FP8 value, dequantized: the float32 reference."""
+    model = copy.deepcopy(loaded.model)
+    for layer in model.model.layers:
+        for path in PROJECTIONS:
+            linear = layer.get_submodule(path)
+            linear.weight.data = quantize(linear.weight.data).dequantize(linear.weight.dtype)
+    return replace(loaded, model=model)
+
+
+PATHS = {"eager": {}, "chunked": {"max_num_batched_tokens": 16}, "speculative": {"speculative_tokens": 4, **ALWAYS_PROPOSE},
+         "overlap": {"overlap": True}, "preempted": {"block_size": 4, "num_blocks": 40}}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_path_with_fp8_weights_equals_the_dequantized_reference(tiny: LoadedModel, path: str) -> None:
+    """The final engine with `quantization="fp8"` on each tiny architecture, along each path (prompts in chunks,
+    proposals verified, the host overlapped, requests preempted), then the same prompts again (prefix-cache hits):
+    HF's greedy tokens with the dequantized weights, token for token."""
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:6]]
+    expected = hf_tokens(dequantized(tiny), prompts, 16)
+    engine = Fp8WeightsEngine(tiny, Fp8WeightsEngineConfig(device="cpu", quantization="fp8",
+                                                           **({"num_blocks": 256} | PATHS[path])))
+    for _ in range(2):  # the second time, every prompt's blocks are in the prefix cache
+        assert [c.token_ids for c in engine.generate(prompts, SamplingParams(max_tokens=16))] == expected
+    assert engine.hit_tokens > 0
+    assert path != "preempted" or engine.preemptions > 0
+    assert path != "speculative" or engine.accepted_tokens > 0
+
+
+def test_the_twin_leaves_the_loaded_model_as_it_was_and_holds_half_the_projection_bytes(tiny: LoadedModel) -> None:
+    before = {name: t.clone() for name, t in tiny.model.state_dict().items()}
+    twin = fp8_twin(tiny.model)
+    assert all(torch.equal(t, before[name]) for name, t in tiny.model.state_dict().items())
+    assert isinstance(twin.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert twin.model.embed_tokens.weight is tiny.model.model.embed_tokens.weight  # shared, not copied
+    # Each projection's float32 weight (4 bytes a value) becomes a byte a value and a float32 scale a row.
+    weights = [layer.get_submodule(p).weight for layer in tiny.model.model.layers for p in PROJECTIONS]
+    assert weight_bytes(tiny.model) - weight_bytes(twin) == sum(w.nbytes - w.numel() - 4 * w.shape[0] for w in weights)
+
+
+def test_an_unknown_quantization_is_refused(tiny: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="the choices are fp8"):
+        Fp8WeightsEngine(tiny, Fp8WeightsEngineConfig(device="cpu", num_blocks=16, quantization="int4"))
+
+
+def test_batch_invariance_with_fp8_is_refused_in_one_line(tiny: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="drop --quantization or --batch-invariant"):
+        Fp8WeightsEngine(tiny, Fp8WeightsEngineConfig(device="cpu", num_blocks=16, quantization="fp8",
+                                                      batch_invariant=True))
+
+
+def test_the_twins_state_is_the_dequantized_model_hf_runs_as_the_reference(tiny: LoadedModel) -> None:
+    """What a reader of the FP8 model's state gets (as `hf_model_for` builds the dry run's reference from it): each
+    projection's dequantized weight in the model's dtype, under the linear layer's names."""
+    twin = fp8_twin(tiny.model)
+    state = twin.state_dict()
+    assert set(state) == set(tiny.model.state_dict())
+    down = tiny.model.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(state["model.layers.1.mlp.down_proj.weight"], quantize(down).dequantize(down.dtype))
+    prompt = tiny.tokenizer.apply_chat_template(PARITY_PROMPTS[0])
+    assert reference_greedy(hf_model_for(replace(tiny, model=twin)), prompt, 12, tiny.tokenizer.eos_token_ids) == \
+        reference_greedy(hf_model_for(dequantized(tiny)), prompt, 12, tiny.tokenizer.eos_token_ids)
