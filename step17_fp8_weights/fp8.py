@@ -24,7 +24,6 @@ from common.model import CausalLM
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448.0
-FP8_KERNEL_ROWS = 64  # up to this many rows, `fp8_matmul` (decode is read-bound); past it, the widened values
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -73,11 +72,12 @@ class Fp8Linear(nn.Module):
         return Fp8Weight(self.values, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.numel() // x.shape[-1] <= FP8_KERNEL_ROWS:
-            from step17_fp8_weights.fp8_matmul import fp8_matmul  # Triton: loaded where there is a GPU
+        if x.is_cuda:
+            from step17_fp8_weights.fp8_matmul import MAX_ROWS, fp8_matmul  # Triton: loaded where there is a GPU
 
-            rows = fp8_matmul(x.reshape(-1, x.shape[-1]), self.values, self.scale, self.bias)
-            return rows.reshape(*x.shape[:-1], self.out_features)
+            if x.numel() // x.shape[-1] <= MAX_ROWS:
+                rows = fp8_matmul(x.reshape(-1, x.shape[-1]), self.values, self.scale, self.bias)
+                return rows.reshape(*x.shape[:-1], self.out_features)
         scaled = F.linear(x, self.values.to(x.dtype)) * self.scale.to(x.dtype)
         return scaled if self.bias is None else scaled + self.bias
 

@@ -16,7 +16,10 @@ import triton
 import triton.language as tl
 
 from step13_fused_decode.skinny_matmul import device_limits, skinny_config
-from step17_fp8_weights.fp8 import FP8_KERNEL_ROWS as MAX_ROWS  # one tile of rows, the most the kernel takes
+
+# One tile of rows, the most the kernel takes: a decode step's batch, read-bound. More rows are compute-bound, and
+# `Fp8Linear` multiplies them by the widened values instead.
+MAX_ROWS = 64
 
 
 @triton.jit
