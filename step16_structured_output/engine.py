@@ -13,12 +13,15 @@ position's logits are masked as the grammar stands there, so the output is the s
 The mask for a token needs the token before it on the host. Step 14 launches a decode step before the host has read
 the tokens of the one before; for a batch with a grammar it launches the forward alone, and its tokens are drawn once
 the host has read the step before's and filled the masks (`MaskedDraw`), while the GPU still runs that forward.
+Each matcher reads its token before the host turns the tokens into text, and the next step's masks are filled by
+llguidance's threads meanwhile (`fill_ahead`), outside Python's lock.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,19 +36,36 @@ from step12_cuda_graph.decode_graphs import PendingTokens
 from step14_overlap_scheduling.engine import LaunchAheadBatch, LaunchedDecode, PendingLogprobs
 from step15_batch_invariant.engine import BatchInvariantEngine, BatchInvariantEngineConfig
 from step16_structured_output.bitmask import apply_token_bitmask
-from step16_structured_output.grammar import GrammarCompiler, GrammarMatcher
+from step16_structured_output.grammar import GrammarCompiler, GrammarError, GrammarMatcher
 
 
 @dataclass(eq=False)
 class ConstrainedRequest(SpeculativeRequest):
     matcher: GrammarMatcher | None = None  # where its output is in its grammar; None: free text
+    # A token the matcher has read before `append_token` (`read_ahead`), and whether the grammar ended there.
+    token_read: int | None = None
+    complete_after_read: bool = False
+
+    def read_ahead(self, token_id: int) -> None:
+        """The grammar's part of appending a token, done for a whole batch before the text's part. A token the
+        grammar refuses is left for `append_token`, which reads it again and fails the request."""
+        assert self.matcher is not None
+        try:
+            self.matcher.advance(token_id)
+        except GrammarError:
+            return
+        self.token_read, self.complete_after_read = token_id, self.matcher.complete
 
     def append_token(self, token_id: int) -> RequestOutput:
         if self.matcher is None:
             return super().append_token(token_id)
-        self.matcher.advance(token_id)
+        if self.token_read == token_id:  # read ahead: the matcher may be in llguidance's threads now, untouched
+            self.token_read, complete = None, self.complete_after_read
+        else:
+            self.matcher.advance(token_id)
+            complete = self.matcher.complete
         out = super().append_token(token_id)
-        if out.finished or not self.matcher.complete:
+        if out.finished or not complete:
             return out
         # The grammar allows nothing more: done, as at a stop string, with this token's text kept.
         self.finish_reason, self.status = FinishReason.STOP, RequestStatus.FINISHED
@@ -89,6 +109,9 @@ class StructuredOutputEngine(BatchInvariantEngine):
     def __init__(self, loaded: LoadedModel, config: StructuredOutputEngineConfig) -> None:
         super().__init__(loaded, config)
         self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+        # The masks of the step launched ahead, being filled while the host turns this step's tokens into text.
+        self.filling: tuple[list[ConstrainedRequest], Future[torch.Tensor]] | None = None
+        self.fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
     def check_request(self, request: Request) -> None:
         super().check_request(request)
@@ -106,9 +129,53 @@ class StructuredOutputEngine(BatchInvariantEngine):
         on the host, applied on the device in one set of ops); the other rows as they are."""
         if not rows:
             return logits
-        bitmask = self.grammars.bitmask([requests[row].matcher for row in rows])  # pinned where there is a GPU
+        bitmask = self.masks_for([requests[row] for row in rows])  # pinned where there is a GPU
         return apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True),
                                    to_device(rows, torch.int64, logits.device))
+
+    def masks_for(self, requests: list[ConstrainedRequest]) -> torch.Tensor:
+        """The requests' masks, one row each: those `fill_ahead` filled where it did (picked in order), the others
+        filled now."""
+        filled = self.settle_fill()
+        if filled is not None and all(r in filled for r in requests):
+            bitmask, rows = filled[requests[0]][0], [filled[r][1] for r in requests]
+            if rows == list(range(len(bitmask))):
+                return bitmask
+            picked = torch.empty((len(rows), bitmask.shape[1]), dtype=bitmask.dtype, pin_memory=bitmask.is_pinned())
+            return torch.index_select(bitmask, 0, torch.tensor(rows), out=picked)
+        return self.grammars.bitmask([r.matcher for r in requests])
+
+    def settle_fill(self) -> dict[ConstrainedRequest, tuple[torch.Tensor, int]] | None:
+        """Wait for the masks being filled ahead, if any: after this the matchers are the host's again. Each
+        request they were filled for, with the bitmask and its row."""
+        if self.filling is None:
+            return None
+        requests, future = self.filling
+        self.filling = None
+        bitmask = future.result()
+        return {request: (bitmask, row) for row, request in enumerate(requests)}
+
+    def process_tokens(self, requests: Sequence[ConstrainedRequest], token_ids: Sequence[int]
+                       ) -> list[RequestOutput]:
+        """Step 15's, with the grammar's part first: each constrained request's matcher reads its token, and the
+        masks of the step launched ahead are filled by llguidance's threads (outside Python's lock) while the host
+        turns the tokens into text, rather than after."""
+        for request, token_id in zip(requests, token_ids, strict=True):
+            if request.matcher is not None:
+                request.read_ahead(token_id)
+        self.fill_ahead()
+        return super().process_tokens(requests, token_ids)
+
+    def fill_ahead(self) -> None:
+        """Start filling the masks of the constrained step launched ahead: its requests whose matcher has read this
+        step's token and whose grammar goes on."""
+        self.settle_fill()
+        if self.ahead is None or not isinstance(self.ahead.tokens, MaskedDraw):
+            return
+        requests = [r for r in self.ahead.requests
+                    if r.matcher is not None and r.token_read is not None and not r.complete_after_read]
+        if requests:
+            self.filling = requests, self.fill_thread.submit(self.grammars.bitmask, [r.matcher for r in requests])
 
     # ----- speculative decoding under a grammar --------------------------------------------------------------
 
@@ -122,6 +189,7 @@ class StructuredOutputEngine(BatchInvariantEngine):
 
     def reserve_proposal_blocks(self, request: ConstrainedRequest, proposal: Proposal) -> Proposal:
         if request.matcher is not None:
+            self.settle_fill()
             allowed = request.matcher.allowed_prefix(proposal.tokens)
             proposal = Proposal(proposal.tokens[:allowed], None if proposal.probs is None else proposal.probs[:allowed])
         return super().reserve_proposal_blocks(request, proposal)
@@ -129,6 +197,7 @@ class StructuredOutputEngine(BatchInvariantEngine):
     def verify(self, chunks: list[VerifyChunk], logits: torch.Tensor) -> list[list[int]]:
         """Step 11's check, against each constrained chunk's logits masked as its grammar stands before each
         proposal and after the last: the tokens kept are those one-a-step decoding under the grammar would draw."""
+        self.settle_fill()
         firsts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
         rows, masks = [], []
         for chunk, first in zip(chunks, firsts[:-1], strict=True):
