@@ -54,9 +54,7 @@ class CudaGraphEngine(SpeculativeEngine):
         self.mixed: MixedStepGraphs | None = None
         mixed_graphs = self.eager_reason is None if config.mixed_graphs is None else config.mixed_graphs
         if mixed_graphs:
-            self.mixed = MixedStepGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
-                                         self.worst_step_tokens(config), config.max_num_seqs,
-                                         capture=self.eager_reason is None)
+            self.mixed = self.build_mixed_graphs(config)
         self.verify_graphs: VerifyStepGraphs | None = None
         if self.mixed is not None and self.proposer is not None:
             self.verify_graphs = self.build_verify_graphs(config)
@@ -74,6 +72,11 @@ class CudaGraphEngine(SpeculativeEngine):
         return DecodeGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
                             self.max_graph_batch(config), capture=self.eager_reason is None,
                             inputs_class=self.decode_inputs_class)
+
+    def build_mixed_graphs(self, config: CudaGraphEngineConfig) -> MixedStepGraphs:
+        """Step 09's mixed steps on static buffers (a method, as `build_graphs`: step 13 fuses them)."""
+        return MixedStepGraphs(self.model, self.cache, self.backend, self.max_model_len, self.dummy_block,
+                               self.worst_step_tokens(config), config.max_num_seqs, capture=self.eager_reason is None)
 
     def build_verify_graphs(self, config: CudaGraphEngineConfig) -> VerifyStepGraphs:
         """Step 11's verification steps on static buffers (a method, as `build_graphs`: step 13 fuses them)."""

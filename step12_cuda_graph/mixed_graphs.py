@@ -240,14 +240,22 @@ class MixedStepGraphs:
     def write_outputs(self, hidden: torch.Tensor, tokens: int, rows: int, output: str) -> None:
         """A token per row, from the logits at its last token, into the static `self.tokens` (or, for LOGITS, those
         logits into `self.logits`)."""
-        last = hidden[self.inputs.sample_index[:rows]]
+        last = self.last_tokens(hidden, rows)
         if output == SAMPLED:
             params = SamplingTensors(**{f.name: getattr(self.sampling, f.name)[:rows] for f in fields(SamplingTensors)})
             self.tokens[:rows] = sample_rows(self.model.compute_logits(last), params)
         elif output == LOGITS:
             self.logits[:rows] = self.model.compute_logits(last)
         else:
-            self.tokens[:rows] = greedy_tokens(self.model, last)
+            self.tokens[:rows] = self.greedy_tokens(last)
+
+    def last_tokens(self, hidden: torch.Tensor, rows: int) -> torch.Tensor:
+        """The hidden state at each row's last token (a seam: step 13's model hands out its stream otherwise)."""
+        return hidden[self.inputs.sample_index[:rows]]
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As step 12's decode graphs find a greedy token (step 13 overrides both alike)."""
+        return greedy_tokens(self.model, hidden)
 
     def capture_all(self) -> None:
         """Record every bucket's graphs, largest first, in one memory pool (they never run at once)."""

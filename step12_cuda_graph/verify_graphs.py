@@ -18,7 +18,7 @@ import torch
 from common.model import CausalLM
 from step02_paged_kv.kv_cache import PagedKVCache
 from step06_paged_attention.backends import AttentionBackend
-from step12_cuda_graph.decode_graphs import GREEDY, LOGITS, greedy_tokens
+from step12_cuda_graph.decode_graphs import GREEDY, LOGITS
 from step12_cuda_graph.mixed_graphs import MixedChunk, MixedStepGraphs, doubling_buckets
 
 SMALLEST_VERIFY_BUCKET = 8
@@ -58,10 +58,6 @@ class VerifyStepGraphs(MixedStepGraphs):
             self.logits[:tokens] = self.model.compute_logits(hidden)
         else:
             self.greedy[:tokens] = self.greedy_tokens(hidden)
-
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """As step 12's decode graphs find a greedy token (step 13 overrides both alike)."""
-        return greedy_tokens(self.model, hidden)
 
     def run(self, chunks: Sequence[MixedChunk], output: str) -> torch.Tensor:
         """Replay (or run eagerly) the step; its tokens' outputs laid end to end: the logits [tokens, vocab] for

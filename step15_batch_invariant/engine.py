@@ -73,6 +73,14 @@ class BatchInvariantEngine(OverlapSchedulingEngine):
         return InvariantDecodeGraphs
 
     @property
+    def fused_mixed_graphs_class(self) -> type:  # noqa: D102
+        if not self.config.batch_invariant:
+            return super().fused_mixed_graphs_class
+        from step15_batch_invariant.fused_path import InvariantMixedGraphs
+
+        return InvariantMixedGraphs
+
+    @property
     def fused_verify_graphs_class(self) -> type:  # noqa: D102
         if not self.config.batch_invariant:
             return super().fused_verify_graphs_class

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from step13_fused_decode.engine import FusedDecodeGraphs, FusedVerifyGraphs
+from step13_fused_decode.engine import FusedDecodeGraphs, FusedMixedGraphs, FusedVerifyGraphs
 from step13_fused_decode.fused_forward import FusedDecodeForward, FusedMixedForward
 from step13_fused_decode import fused_kernels
 from step13_fused_decode.packed_projections import PackedLinear, PackedProjections, PreparedNorm
@@ -56,7 +56,11 @@ class InvariantDecodeGraphs(FusedDecodeGraphs):
         return InvariantDecodeForward(self.cache, self.backend, meta, positions, self.pdl)
 
 
-class InvariantVerifyGraphs(FusedVerifyGraphs):
+class InvariantMixedGraphs(FusedMixedGraphs):
     def context(self, meta, positions, tile_request, tile_index):  # noqa: ANN001, ANN201
         return InvariantMixedForward(self.cache, self.backend, meta, positions, tile_request, tile_index,
                                      self.model.pdl)
+
+
+class InvariantVerifyGraphs(FusedVerifyGraphs, InvariantMixedGraphs):
+    pass  # the verification rows of step 12, over the invariant mixed step's context

@@ -150,6 +150,26 @@ def test_engine_with_fused_ops_on_cublas_matches_step01() -> None:
     assert len(differing) <= 1, f"requests {differing} differ from step 01 (at ties): at most one may"
 
 
+def test_mixed_steps_run_the_fused_twin_too() -> None:
+    """With mixed-step graphs, a prompt's chunks and the decoders beside them run the fused twin (packed
+    projections, fused element-wise kernels, RoPE and the KV write in one kernel) over step 12's tile list: step
+    01's tokens, or a difference HF shows to be a tie. On a CPU in Triton's interpreter, on small shapes."""
+    from step13_fused_decode.engine import FusedMixedGraphs
+
+    loaded = tiny_with_small_vocab("tiny-qwen2", device=DEVICE)
+    prompts = [in_vocab(loaded.tokenizer.apply_chat_template(p)) for p in PARITY_PROMPTS[:4]]
+    params = SamplingParams(max_tokens=8)
+    expected = SerialEngine(loaded, EngineConfig(device=DEVICE)).generate(prompts, params)
+    engine = FusedDecodeEngine(loaded, FusedDecodeEngineConfig(
+        device=DEVICE, block_size=16, num_blocks=64, attn="triton", fused_ops=True, mixed_graphs=True,
+        max_graph_batch=4, max_num_seqs=4, max_num_batched_tokens=40))  # prompts in chunks, decoders beside
+    assert isinstance(engine.mixed, FusedMixedGraphs)
+    outputs = staggered_generate(engine, prompts, params, arrive_every=2)
+    reports = compare_engines(loaded, prompts, outputs, expected)
+    assert all(r.ok for r in reports), [r.describe() for r in reports if not r.ok]
+    assert sum(r.equal for r in reports) >= len(prompts) - 1
+
+
 def test_fused_ops_need_the_graph_path() -> None:
     with pytest.raises(ValueError, match="drop --no-cuda-graph"):
         FusedDecodeEngine(load_model("tiny-llama"), FusedDecodeEngineConfig(device="cpu", num_blocks=8,
