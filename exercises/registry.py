@@ -262,6 +262,16 @@ EXERCISES = [
         lesson="step16_structured_output/README.md",
         skips_idea="each word's bits read from the most significant end: token 32 w + 31 - j for bit j",
     ),
+    Exercise(
+        id="17-quantize",
+        stub_module="ex17_quantize",
+        target="step17_fp8_weights.fp8:quantize",
+        tests=("tests/test_step17_fp8.py", "-k",
+               "by_hand or sixteenth or scale_per_row or every_path and eager and qwen2"),
+        step="step17_fp8_weights",
+        lesson="step17_fp8_weights/README.md",
+        skips_idea="the scale set as for int8, the row's largest magnitude over 127, not over e4m3's 448",
+    ),
 ]
 
 

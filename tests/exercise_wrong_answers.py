@@ -240,6 +240,16 @@ def bits_from_the_top(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+def scale_as_for_int8(weight: torch.Tensor, per_row: bool = True) -> Any:
+    """Scales each row to 127, int8's largest value: the weights then use a sliver of e4m3's range."""
+    from step17_fp8_weights.fp8 import E4M3, Fp8Weight
+
+    weight = weight.float()
+    largest = weight.abs().amax(dim=1) if per_row else weight.abs().amax().reshape(1)
+    scale = (largest / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return Fp8Weight((weight / scale[:, None]).to(E4M3), scale)
+
+
 WRONG_ANSWERS: dict[str, Callable[..., Any]] = {
     "01-contiguous-attend": attend_to_new_tokens_only,
     "02-slot-mapping": slot_is_the_position,
@@ -261,4 +271,5 @@ WRONG_ANSWERS: dict[str, Callable[..., Any]] = {
     "15-row-tiles": linear_on_the_whole_batch,
     "15-split-attention": attention_in_two_pieces,
     "16-bitmask": bits_from_the_top,
+    "17-quantize": scale_as_for_int8,
 }

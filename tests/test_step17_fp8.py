@@ -15,7 +15,8 @@ from common.reference import hf_model_for, reference_greedy
 from common.sampling import SamplingParams
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
 from step17_fp8_weights.engine import Fp8WeightsEngine, Fp8WeightsEngineConfig
-from step17_fp8_weights.fp8 import E4M3_MAX, PROJECTIONS, Fp8Linear, fp8_twin, quantize, quantize_projections, weight_bytes
+from step17_fp8_weights import fp8
+from step17_fp8_weights.fp8 import E4M3_MAX, PROJECTIONS, Fp8Linear, fp8_twin, quantize_projections, weight_bytes
 from tests.helpers import hf_tokens
 from tests.test_sampling_controls import ALWAYS_PROPOSE
 
@@ -24,7 +25,7 @@ def test_a_row_by_hand() -> None:
     """The row's largest magnitude sets its scale (4.48 / 448 = 0.01) and lands on 448; 1.0 / 0.01 = 100 is not an
     e4m3 value (96 and 104 are: 8 steps of 8 between 64 and 128), and rounds to 96 (a tie goes to the even
     mantissa), so it comes back as 0.96."""
-    q = quantize(torch.tensor([[4.48, -1.0, 0.5, 0.0]]))
+    q = fp8.quantize(torch.tensor([[4.48, -1.0, 0.5, 0.0]]))
     assert torch.allclose(q.scale, torch.tensor([0.01]))
     assert q.values.float().tolist() == [[448.0, -96.0, 48.0, 0.0]]
     assert torch.allclose(q.dequantize(), torch.tensor([[4.48, -0.96, 0.48, 0.0]]))
@@ -32,7 +33,7 @@ def test_a_row_by_hand() -> None:
 
 def test_every_weight_comes_back_within_a_sixteenth() -> None:
     weight = torch.randn(64, 256) * torch.logspace(-3, 0, 64)[:, None]  # rows whose ranges span 1,000x
-    back = quantize(weight).dequantize()
+    back = fp8.quantize(weight).dequantize()
     normal = weight.abs() >= weight.abs().amax(dim=1, keepdim=True) / E4M3_MAX * 2**-6  # e4m3's normal range
     assert ((back - weight).abs() <= weight.abs() / 16 + 1e-12)[normal].all()
 
@@ -41,16 +42,16 @@ def test_a_scale_per_row_keeps_small_rows_that_one_per_tensor_loses() -> None:
     """e4m3 spans about 2^17 from its smallest subnormal to 448, so one scale for the tensor loses only rows far
     below the largest: here, rows a million to 30,000 times smaller come back as (mostly) zero."""
     weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 0, 64)[:, None]
-    row_error = (quantize(weight).dequantize() - weight).norm(dim=1) / weight.norm(dim=1)
-    tensor_error = (quantize(weight, per_row=False).dequantize() - weight).norm(dim=1) / weight.norm(dim=1)
+    row_error = (fp8.quantize(weight).dequantize() - weight).norm(dim=1) / weight.norm(dim=1)
+    tensor_error = (fp8.quantize(weight, per_row=False).dequantize() - weight).norm(dim=1) / weight.norm(dim=1)
     assert row_error.max() < 0.04  # every row within a few percent
     assert tensor_error[:8].min() > 0.5 and tensor_error[-32:].max() < 0.04
 
 
 def test_the_layer_multiplies_by_the_dequantized_weight_to_float32s_rounding() -> None:
     weight, bias, x = torch.randn(24, 40), torch.randn(24), torch.randn(5, 40)
-    layer = Fp8Linear(quantize(weight), bias)
-    assert torch.allclose(layer(x), torch.nn.functional.linear(x, quantize(weight).dequantize(), bias), atol=1e-5)
+    layer = Fp8Linear(fp8.quantize(weight), bias)
+    assert torch.allclose(layer(x), torch.nn.functional.linear(x, fp8.quantize(weight).dequantize(), bias), atol=1e-5)
     assert layer.values.dtype == torch.float8_e4m3fn and layer.values.nbytes == weight.numel()
 
 
@@ -63,7 +64,7 @@ def test_a_tiny_model_with_fp8_projections_equals_hf_with_the_dequantized_weight
     for layer in oracle.model.model.layers:
         for path in PROJECTIONS:
             linear = layer.get_submodule(path)
-            linear.weight.data = quantize(linear.weight.data).dequantize(linear.weight.dtype)
+            linear.weight.data = fp8.quantize(linear.weight.data).dequantize(linear.weight.dtype)
     assert saved > 0
     hf = hf_model_for(oracle)
     engine = PagedAttentionEngine(engine_model, PagedAttentionEngineConfig(device="cpu", num_blocks=64))
@@ -80,7 +81,7 @@ def dequantized(loaded: LoadedModel) -> LoadedModel:
     for layer in model.model.layers:
         for path in PROJECTIONS:
             linear = layer.get_submodule(path)
-            linear.weight.data = quantize(linear.weight.data).dequantize(linear.weight.dtype)
+            linear.weight.data = fp8.quantize(linear.weight.data).dequantize(linear.weight.dtype)
     return replace(loaded, model=model)
 
 
@@ -133,7 +134,7 @@ def test_the_twins_state_is_the_dequantized_model_hf_runs_as_the_reference(tiny:
     state = twin.state_dict()
     assert set(state) == set(tiny.model.state_dict())
     down = tiny.model.model.layers[1].mlp.down_proj.weight
-    assert torch.equal(state["model.layers.1.mlp.down_proj.weight"], quantize(down).dequantize(down.dtype))
+    assert torch.equal(state["model.layers.1.mlp.down_proj.weight"], fp8.quantize(down).dequantize(down.dtype))
     prompt = tiny.tokenizer.apply_chat_template(PARITY_PROMPTS[0])
     assert reference_greedy(hf_model_for(replace(tiny, model=twin)), prompt, 12, tiny.tokenizer.eos_token_ids) == \
         reference_greedy(hf_model_for(dequantized(tiny)), prompt, 12, tiny.tokenizer.eos_token_ids)
