@@ -74,15 +74,18 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from step17_fp8_weights.fp8_matmul import MAX_ROWS, fp8_matmul, scaled_mm_fits, scaled_mm_rowwise
+            from step17_fp8_weights.fp8_matmul import fp8_linear  # Triton: loaded where there is a GPU
 
-            rows = x.reshape(-1, x.shape[-1])
-            if rows.shape[0] <= MAX_ROWS:
-                return fp8_matmul(rows, self.values, self.scale, self.bias).reshape(*x.shape[:-1], -1)
-            if scaled_mm_fits(rows, self.values):
-                return scaled_mm_rowwise(rows, self.values, self.scale, self.bias).reshape(*x.shape[:-1], -1)
-        scaled = F.linear(x, self.values.to(x.dtype)) * self.scale.to(x.dtype)
-        return scaled if self.bias is None else scaled + self.bias
+            return fp8_linear(x, self.values, self.scale, self.bias)
+        return widened_linear(x, self.values, self.scale, self.bias)
+
+
+def widened_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """x times the FP8 weight: its values widened to x's dtype (exactly), multiplied, and each output feature
+    scaled after; our kernel's arithmetic, up to the order of its sums."""
+    scaled = F.linear(x, values.to(x.dtype)) * scale.to(x.dtype)
+    return scaled if bias is None else scaled + bias
 
 
 def quantize_projections(model: CausalLM, per_row: bool = True) -> int:

@@ -1,12 +1,14 @@
 """The multiply of a decode step's few rows by an FP8 weight: y = (x V^T) * scale + bias, V the e4m3 values.
 
 A decode step reads every weight once for a handful of rows, so it lasts as long as the weight takes to stream from
-memory: one byte a weight here against two in bf16. Each program owns a band of `block_n` output features over the
-whole of K (as step 13's skinny multiply does), loads the e4m3 values, widens them to the input's dtype (exactly:
-e4m3's 3 mantissa bits and 4 exponent bits fit in bf16 and float32), multiplies on the tensor cores with float32
-sums, and multiplies each output feature's sum by its row's scale once, at the end, before the bias.
+memory: one byte a weight here against two in bf16. The kernel is step 13's skinny multiply with one change: each
+program owns a band of `block_n` output features over the whole of K (`band_product`), loading the e4m3 values and
+widening them to the input's dtype (exactly: e4m3's 3 mantissa bits and 4 exponent bits fit in bf16 and float32),
+with float32 sums on the tensor cores; then each output feature's sum is multiplied by its row's scale, once, before
+the rest of step 13's ending (`finish_band`: the bias, and in the fused decode the residual add and the next norm's
+sums of squares). Up to `MAX_ROWS` rows: a decode step's batch.
 
-More rows than a tile are compute-bound, not read-bound: `scaled_mm_rowwise` gives them to cuBLAS's FP8 multiply
+More rows than that are compute-bound, not read-bound: `scaled_mm_rowwise` gives them to cuBLAS's FP8 multiply
 (`torch._scaled_mm`), each activation row quantized to e4m3 with its own scale on the way in.
 
 On a machine without a GPU, set TRITON_INTERPRET=1 to run it on CPU tensors (the tests do).
@@ -18,11 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from step13_fused_decode.skinny_matmul import SkinnyConfig, device_limits, skinny_config
-from step17_fp8_weights.fp8 import E4M3, quantize
+from step13_fused_decode.dependent_launch import wait_for_previous_kernel
+from step13_fused_decode.skinny_matmul import (SkinnyConfig, band_product, device_limits, finish_band, launch,
+                                             skinny_config)
+from step17_fp8_weights.fp8 import E4M3, quantize, widened_linear
 
-# One tile of rows, the most the kernel takes: a decode step's batch, read-bound. More rows are compute-bound, and
-# go to `scaled_mm_rowwise`.
+# The most rows our kernel takes: a decode step's batch, read-bound. More rows are compute-bound, and go to
+# `scaled_mm_rowwise`.
 MAX_ROWS = 64
 
 
@@ -42,30 +46,19 @@ def fp8_config(n: int, block_m: int, x_element_size: int, multiprocessors: int =
 
 
 @triton.jit
-def _fp8_matmul_kernel(X, W, SCALE, BIAS, OUT, M, N, K, stride_xm, stride_wn, stride_om,
-                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.arange(0, BLOCK_M)
+def fp8_skinny_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED,
+                      TOKENS, M, N, K, stride_xm, stride_wn, stride_om, num_parts_in, eps, SCALE,
+                      HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr,
+                      ADD_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, IEEE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Step 13's skinny kernel over e4m3 values W and their row scales SCALE [N] (float32)."""
+    wait_for_previous_kernel(PDL)
+    acc = band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps, NORMALISE, PARTS_IN, IEEE,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    row_mask = rows < M
-    col_mask = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = k0 + ks < K
-        x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(W + cols[:, None] * stride_wn + (k0 + ks)[None, :], mask=col_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(x.dtype)  # exact: every e4m3 value is a bf16 and a float32 value
-        if IEEE:  # float32 models: full-precision products (no TF32)
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
-    acc *= tl.load(SCALE + cols, mask=col_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(OUT + rows[:, None] * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    acc *= tl.load(SCALE + cols, mask=cols < N, other=0.0)[None, :]  # once per output feature, after the sum
+    finish_band(acc, BIAS, OUT, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED, TOKENS, M, N, stride_om,
+                HAS_BIAS, ADD_RESIDUAL, ARGMAX, BLOCK_M, BLOCK_N)
 
 
 def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -74,15 +67,12 @@ def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias:
     `config`: launch settings (default: `fp8_config`'s)."""
     m, k = x.shape
     n = values.shape[0]
-    assert m <= MAX_ROWS and values.dtype == E4M3 and values.shape[1] == k and scale.shape == (n,)
+    assert values.dtype == E4M3 and values.shape[1] == k and scale.shape == (n,)
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m = max(16, triton.next_power_of_2(m))  # the smallest tile a tensor-core dot takes is 16 rows
+    block_m = max(16, triton.next_power_of_2(m))  # as `launch` tiles the rows
     config = config or fp8_config(n, block_m, x.element_size(), **device_limits(x.device))
-    _fp8_matmul_kernel[(triton.cdiv(n, config.block_n),)](
-        x, values, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), values.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    launch(x, values, out, config, pdl=False, bias=bias, kernel=fp8_skinny_kernel, max_rows=MAX_ROWS, SCALE=scale)
     return out
 
 
@@ -99,3 +89,17 @@ def scaled_mm_rowwise(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor
     out = torch._scaled_mm(rows.values, values.t(), scale_a=rows.scale[:, None], scale_b=scale[None, :],
                            out_dtype=x.dtype)
     return out if bias is None else out + bias
+
+
+def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] times the FP8 weight on a GPU, by rows: our kernel up to `MAX_ROWS`, cuBLAS's FP8 multiply past
+    that where it takes the operands, else the values widened to x's dtype and scaled after."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= MAX_ROWS:
+        out = fp8_matmul(rows, values, scale, bias)
+    elif scaled_mm_fits(rows, values):
+        out = scaled_mm_rowwise(rows, values, scale, bias)
+    else:
+        out = widened_linear(rows, values, scale, bias)
+    return out.reshape(*x.shape[:-1], -1)
+
