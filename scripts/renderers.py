@@ -119,6 +119,30 @@ def render_fp8_accuracy(path: str, doc: Doc) -> list[str]:
                      "last layer's error"], rows, text_columns=1)
 
 
+def render_fp8_decode(path: str, doc: Doc) -> list[str]:
+    """step17_fp8_weights/bench/bench_fp8.py: per workload, output tok/s with the weights as loaded and with FP8
+    projections, in one process over one loaded model, and FP8 as a ratio of as loaded."""
+    loaded, fp8 = doc["tok_per_s"]["as loaded"], doc["tok_per_s"]["fp8"]
+    rows = [[name, f"{loaded[name]:,.1f}", f"{fp8[name]:,.1f}", f"{fp8[name] / loaded[name]:.2f}x"] for name in fp8]
+    return markdown(["workload", f"{doc['dtype'].removeprefix('torch.')} tok/s", "fp8 tok/s", "fp8 vs "
+                     f"{doc['dtype'].removeprefix('torch.')}"], rows, text_columns=1)
+
+
+def render_fp8_matmul(path: str, doc: Doc) -> list[str]:
+    """step17_fp8_weights/bench/bench_fp8_matmul.py: per projection shape and row count, microseconds and the share of
+    the copy bandwidth the weight's bytes were read at, for bf16 F.linear, cuBLAS's FP8 (one scale per tensor, one
+    per row) and our kernel at its default settings."""
+    kernels = ["bf16 F.linear", "_scaled_mm per tensor", "_scaled_mm per row", "fp8_matmul (ours)"]
+    rows = []
+    for name, points in doc["shapes"].items():
+        for point in points:
+            by_kernel = {r["kernel"]: r for r in point["results"]}
+            rows.append([name, f"{point['n']} x {point['k']}", str(point["rows"]),
+                         *(f"{by_kernel[k]['us']:.1f} ({by_kernel[k]['share_of_copy']:.0%})" if k in by_kernel else "-"
+                           for k in kernels)])
+    return markdown(["projection", "n x k", "rows", *(f"{k} us (of copy)" for k in kernels)], rows, text_columns=3)
+
+
 def budget_label(row: Doc) -> str:
     """A budget as bench_long_prompt.py names it, with the number the engine chose for "default"."""
     if row["budget"] == "default" and row.get("budget_tokens"):
@@ -540,6 +564,8 @@ RENDERERS = (
     Renderer("grammar", lambda doc: "constrained greedy" in first(doc, "outputs"), render_grammar),
     Renderer("grammar-decode", lambda doc: "free" in first(doc, "decode"), render_grammar_decode),
     Renderer("fp8-accuracy", lambda doc: "perplexity" in first(doc, "variants"), render_fp8_accuracy),
+    Renderer("fp8-decode", lambda doc: "fp8_vs_as_loaded" in doc, render_fp8_decode),
+    Renderer("fp8-matmul", lambda doc: "fp8_matmul" in str(doc.get("shapes", "")), render_fp8_matmul),
     Renderer("prefix", lambda doc: "scenario" in first(doc, "runs"), render_prefix),
     Renderer("stall", lambda doc: bool(first(doc, "stall")), render_stall),
     Renderer("burst", lambda doc: bool(first(doc, "burst")), render_burst),
