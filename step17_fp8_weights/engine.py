@@ -3,9 +3,9 @@ bf16, and a decode step's time follows the bytes it reads.
 
 Against step 16, `Fp8WeightsEngine` changes one thing when asked (`quantization="fp8"`, `--quantization fp8`): it
 runs a twin of the loaded model whose projections are `Fp8Linear` (`fp8.fp8_twin`), quantized as it starts from
-whatever checkpoint was loaded. The embedding, the norms and the output head keep their dtype. Here the projections
-multiply by their dequantized weights, on every path, eager or captured; on a GPU the fused decode of step 13
-packs them as it packs bf16 ones (`fused_path.py`).
+whatever checkpoint was loaded. The embedding, the norms and the output head keep their dtype. Every path, eager or
+captured, reads the projections through `Fp8Linear`; on a GPU step 13's fused decode packs them as it packs bf16
+ones (`fused_path.py`).
 """
 
 from __future__ import annotations
