@@ -4,8 +4,9 @@ For each quantization (none, then fp8) step 17's engine is built with its defaul
 with the weights as loaded step 13's fused decode) and times each workload: `--batches` requests of 32 prompt
 tokens and 128 new tokens each, and with `--nanovllm` the 256-sequence workload (lengths uniform in [100, 1024]).
 Each figure is the median of `--repeats` runs after a warm-up; fp8 is reported as a ratio of none. Also written:
-the engines' memory reports (the weights held), and how many greedy tokens of the first batch's requests the two
-give alike.
+the engines' memory reports (the weights held), the weight bytes a decode step reads and the device's copy
+bandwidth (the batch-1 ceiling is one over the other), and how many greedy tokens of the first batch's requests the
+two give alike.
 
     .venv/bin/python step17_fp8_weights/bench/bench_fp8.py --batches 1,4 --max-tokens 16
     python step17_fp8_weights/bench/bench_fp8.py --device cuda --model random:qwen2.5-7b --batches 1,8,64 \\
@@ -27,6 +28,7 @@ from common.bench import (Workload, default_output, evidence_header, fixed_workl
 from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.loading import EMBEDDED_MODEL, LoadedModel, load_model
 from common.sampling import SamplingParams
+from common.timing import memory_bandwidth_gbs
 from step17_fp8_weights.engine import Fp8WeightsEngine, Fp8WeightsEngineConfig
 from step17_fp8_weights.fp8 import weight_bytes
 
@@ -40,6 +42,14 @@ def make_engine(loaded: LoadedModel, quantization: str | None, max_num_seqs: int
         torch.cuda.empty_cache()
     return Fp8WeightsEngine(loaded, Fp8WeightsEngineConfig(
         model=loaded.name, device=str(loaded.model.device), quantization=quantization, max_num_seqs=max_num_seqs))
+
+
+def step_read_bytes(model: torch.nn.Module) -> int:
+    """The weight bytes a decode step at batch 1 reads: every weight but the embedding, of which a step reads a
+    row (unless it is the output head too, read whole)."""
+    embedding = model.model.embed_tokens.weight
+    tied = embedding.data_ptr() == model.lm_head.weight.data_ptr()
+    return weight_bytes(model) - (0 if tied else embedding.nbytes)
 
 
 def measure(engine: Fp8WeightsEngine, workloads: list[Workload], repeats: int) -> dict[str, float]:
@@ -79,7 +89,8 @@ def main() -> int:
     largest = max(len(w.prompts) for w in workloads)
     doc: dict[str, Any] = evidence_header(device, args.model, loaded.model.dtype, step=STEP, repeats=args.repeats,
                                           workloads=[w.name for w in workloads],
-                                          loaded_weight_bytes=weight_bytes(loaded.model))
+                                          loaded_weight_bytes=weight_bytes(loaded.model),
+                                          copy_bandwidth_gbs=memory_bandwidth_gbs(device))
     output = args.output or default_output(STEP, "fp8", device.type, args.model)
     greedy = SamplingParams(max_tokens=min(args.max_tokens, 64), temperature=0, ignore_eos=True)
     tokens = {}
@@ -87,6 +98,7 @@ def main() -> int:
         engine = make_engine(loaded, quantization, largest)
         doc.setdefault("memory_report", {})[mode] = engine.memory_report()
         doc.setdefault("weight_bytes", {})[mode] = weight_bytes(engine.model)
+        doc.setdefault("step_read_bytes", {})[mode] = step_read_bytes(engine.model)
         if workloads[0].prompts:
             tokens[mode] = [c.token_ids for c in engine.generate(workloads[0].prompts, greedy)]
         doc.setdefault("tok_per_s", {})[mode] = measure(engine, workloads, args.repeats)
