@@ -73,11 +73,24 @@ class Fp8Linear(nn.Module):
         return Fp8Weight(self.values, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from step17_fp8_weights.fp8_matmul import fp8_linear  # Triton: loaded where there is a GPU
+        return fp8_linear(x, self.values, self.scale, self.bias)
 
-            return fp8_linear(x, self.values, self.scale, self.bias)
-        return widened_linear(x, self.values, self.scale, self.bias)
+
+def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] times the FP8 weight. On a GPU, by rows: our kernel up to its `MAX_ROWS`, and past that cuBLAS's
+    FP8 multiply with each row of x quantized as a weight's row is (where it takes the operands). Otherwise
+    `widened_linear`."""
+    if x.is_cuda:
+        from step17_fp8_weights import fp8_matmul  # Triton: loaded where there is a GPU
+
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= fp8_matmul.MAX_ROWS:
+            return fp8_matmul.fp8_matmul(rows, values, scale, bias).reshape(*x.shape[:-1], -1)
+        if fp8_matmul.scaled_mm_fits(rows, values):
+            quantized = quantize(rows)
+            out = fp8_matmul.scaled_mm_rowwise(quantized.values, quantized.scale, values, scale, bias, x.dtype)
+            return out.reshape(*x.shape[:-1], -1)
+    return widened_linear(x, values, scale, bias)
 
 
 def widened_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None

@@ -9,7 +9,7 @@ the rest of step 13's ending (`finish_band`: the bias, and in the fused decode t
 sums of squares). Up to `MAX_ROWS` rows: a decode step's batch.
 
 More rows than that are compute-bound, not read-bound: `scaled_mm_rowwise` gives them to cuBLAS's FP8 multiply
-(`torch._scaled_mm`), each activation row quantized to e4m3 with its own scale on the way in.
+(`torch._scaled_mm`), each activation row quantized to e4m3 with its own scale first (`fp8.fp8_linear` does both).
 
 On a machine without a GPU, set TRITON_INTERPRET=1 to run it on CPU tensors (the tests do).
 """
@@ -23,7 +23,6 @@ import triton.language as tl
 from step13_fused_decode.dependent_launch import wait_for_previous_kernel
 from step13_fused_decode.skinny_matmul import (SkinnyConfig, band_product, device_limits, finish_band, launch,
                                              skinny_config)
-from step17_fp8_weights.fp8 import E4M3, quantize, widened_linear
 
 # The most rows our kernel takes: a decode step's batch, read-bound. More rows are compute-bound, and go to
 # `scaled_mm_rowwise`.
@@ -67,7 +66,7 @@ def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias:
     `config`: launch settings (default: `fp8_config`'s)."""
     m, k = x.shape
     n = values.shape[0]
-    assert values.dtype == E4M3 and values.shape[1] == k and scale.shape == (n,)
+    assert values.dtype == torch.float8_e4m3fn and values.shape[1] == k and scale.shape == (n,)
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))  # as `launch` tiles the rows
@@ -81,25 +80,9 @@ def scaled_mm_fits(x: torch.Tensor, values: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and values.shape[0] % 16 == 0 and values.shape[1] % 16 == 0
 
 
-def scaled_mm_rowwise(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-                      ) -> torch.Tensor:
-    """x [M, K] bf16 times the FP8 weight on cuBLAS's FP8 tensor-core path: each row of x quantized to e4m3 with
-    its own scale (its largest magnitude onto 448), the product scaled by both scales, in bf16."""
-    rows = quantize(x)  # as a weight's rows are
-    out = torch._scaled_mm(rows.values, values.t(), scale_a=rows.scale[:, None], scale_b=scale[None, :],
-                           out_dtype=x.dtype)
+def scaled_mm_rowwise(x_values: torch.Tensor, x_scale: torch.Tensor, values: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x (as e4m3 rows `x_values` [M, K] and their scales `x_scale` [M]) times the FP8 weight on cuBLAS's FP8
+    tensor-core path, the product scaled by both scales, in `out_dtype` (bf16)."""
+    out = torch._scaled_mm(x_values, values.t(), scale_a=x_scale[:, None], scale_b=scale[None, :], out_dtype=out_dtype)
     return out if bias is None else out + bias
-
-
-def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] times the FP8 weight on a GPU, by rows: our kernel up to `MAX_ROWS`, cuBLAS's FP8 multiply past
-    that where it takes the operands, else the values widened to x's dtype and scaled after."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= MAX_ROWS:
-        out = fp8_matmul(rows, values, scale, bias)
-    elif scaled_mm_fits(rows, values):
-        out = scaled_mm_rowwise(rows, values, scale, bias)
-    else:
-        out = widened_linear(rows, values, scale, bias)
-    return out.reshape(*x.shape[:-1], -1)
-

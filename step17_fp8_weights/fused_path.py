@@ -18,8 +18,8 @@ from common.model import RMSNorm
 from step13_fused_decode.engine import FusedDecodeGraphs
 from step13_fused_decode.packed_projections import PackedLinear, PackedProjections, stack_in_place
 from step13_fused_decode.skinny_matmul import MAX_ROWS, device_limits
-from step17_fp8_weights.fp8 import Fp8Linear
-from step17_fp8_weights.fp8_matmul import fp8_config, fp8_linear, fp8_skinny_kernel
+from step17_fp8_weights.fp8 import Fp8Linear, fp8_linear
+from step17_fp8_weights.fp8_matmul import fp8_config, fp8_skinny_kernel
 
 
 class Fp8PackedLinear(PackedLinear):
