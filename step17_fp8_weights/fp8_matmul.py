@@ -21,27 +21,23 @@ import triton
 import triton.language as tl
 
 from step13_fused_decode.dependent_launch import wait_for_previous_kernel
-from step13_fused_decode.skinny_matmul import (SkinnyConfig, band_product, device_limits, finish_band, launch,
-                                             skinny_config)
+from step13_fused_decode.skinny_matmul import SkinnyConfig, band_product, device_limits, finish_band, launch
 
-# The most rows our kernel takes: a decode step's batch, read-bound. More rows are compute-bound, and go to
-# `scaled_mm_rowwise`.
-MAX_ROWS = 64
+# The most rows our kernel takes: step 13's tile, a decode step's batch. At 64 rows it was slower than bf16 on every
+# projection of Qwen2.5-7B (results/gpu/fp8-matmul.json); past 16 rows the multiply goes to `scaled_mm_rowwise`.
+MAX_ROWS = 16
 
 
-def fp8_config(n: int, block_m: int, x_element_size: int, multiprocessors: int = 132,
-               shared_memory: int = 227 * 1024) -> SkinnyConfig:
-    """Launch settings for `n` output features: step 13's bands, with twice the K per iteration (a byte a weight
-    keeps the bytes in flight per stage as they were), and as many stages as fit the x tile (`block_m` rows in
-    x's dtype) and the weight tile together in shared memory."""
-    base = skinny_config(n, multiprocessors=multiprocessors, shared_memory=shared_memory)
-    block_k, stages = 2 * base.block_k, base.num_stages
-    while stages * (block_m * x_element_size + base.block_n) * block_k > shared_memory:
-        if stages > 2:
-            stages -= 1
-        else:
-            block_k //= 2
-    return SkinnyConfig(base.block_n, block_k, base.num_warps, stages)
+def fp8_config(block_m: int, x_element_size: int, device: torch.device) -> SkinnyConfig:
+    """Launch settings: bands of 32 features, 512 of K per iteration, 3 stages. The fastest, or within a few
+    percent of it, of a grid of 36 for each of Qwen2.5-7B's four projections at 1 and 8 rows on an H100
+    (bench_fp8_matmul.py). Stages are dropped where the x tile (`block_m` rows in x's dtype) and the weight tile
+    would not fit a device's shared memory."""
+    block_n, block_k, stages = 32, 512, 3
+    shared_memory = device_limits(device).get("shared_memory", 227 * 1024)  # an H100's, in the interpreter
+    while stages * (block_m * x_element_size + block_n) * block_k > shared_memory and stages > 1:
+        stages -= 1
+    return SkinnyConfig(block_n, block_k, 4, stages)
 
 
 @triton.jit
@@ -70,7 +66,7 @@ def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias:
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))  # as `launch` tiles the rows
-    config = config or fp8_config(n, block_m, x.element_size(), **device_limits(x.device))
+    config = config or fp8_config(block_m, x.element_size(), x.device)
     launch(x, values, out, config, pdl=False, bias=bias, kernel=fp8_skinny_kernel, max_rows=MAX_ROWS, SCALE=scale)
     return out
 

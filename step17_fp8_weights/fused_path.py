@@ -17,7 +17,7 @@ from torch import nn
 from common.model import RMSNorm
 from step13_fused_decode.engine import FusedDecodeGraphs
 from step13_fused_decode.packed_projections import PackedLinear, PackedProjections, stack_in_place
-from step13_fused_decode.skinny_matmul import MAX_ROWS, device_limits
+from step13_fused_decode.skinny_matmul import MAX_ROWS
 from step17_fp8_weights.fp8 import Fp8Linear, fp8_linear
 from step17_fp8_weights.fp8_matmul import fp8_config, fp8_skinny_kernel
 
@@ -37,7 +37,7 @@ class Fp8PackedLinear(PackedLinear):
         self.scale = stack_in_place([linear.scale for linear in linears])
         if skinny:  # a byte a weight: `fp8_config`'s deeper K, for step 13's tile of rows in the model's dtype
             element_size = torch.empty(0, dtype=linears[0].dtype).element_size()
-            self.skinny = fp8_config(self.weight.shape[0], MAX_ROWS, element_size, **device_limits(self.weight.device))
+            self.skinny = fp8_config(MAX_ROWS, element_size, self.weight.device)
         self.kernel_args = {"kernel": fp8_skinny_kernel, "SCALE": self.scale}
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:

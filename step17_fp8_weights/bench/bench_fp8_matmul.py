@@ -27,7 +27,7 @@ from common.cli import CommandLineError, Parser, at_least, check_args, fail, par
 from common.config import load_bundled_config
 from common.timing import copy_bandwidth_gbs, timed_ms
 from step13_fused_decode.bench.matmul_bench import L2_MULTIPLE, projection_shapes
-from step13_fused_decode.skinny_matmul import SkinnyConfig, device_limits
+from step13_fused_decode.skinny_matmul import SkinnyConfig
 from step17_fp8_weights.fp8 import E4M3, E4M3_MAX, quantize
 from step17_fp8_weights.fp8_matmul import MAX_ROWS, fp8_config, fp8_matmul, scaled_mm_rowwise
 
@@ -79,7 +79,7 @@ def bench_shape(n: int, k: int, rows_tried: list[int], bandwidth_gbs: float, rep
         ]
         if rows <= MAX_ROWS:
             block_m = max(16, triton.next_power_of_2(rows))
-            default = fp8_config(n, block_m, x.element_size(), **device_limits(device))
+            default = fp8_config(block_m, x.element_size(), device)
             settings = []
             for config in dict.fromkeys([default, *(GRID if sweep else [])]):
                 try:
