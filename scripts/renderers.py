@@ -21,6 +21,13 @@ def first(doc: Doc, key: str) -> Doc:
     return records[0] if isinstance(records, list) and records and isinstance(records[0], dict) else {}
 
 
+def first_point(doc: Doc) -> Doc:
+    """The first point of the first shape of a matrix-multiply benchmark's `shapes`, or {}."""
+    shapes = doc.get("shapes")
+    points = next(iter(shapes.values()), []) if isinstance(shapes, dict) else []
+    return points[0] if points else {}
+
+
 def span(values: list[float], unit: str) -> str:
     """The shortest and the longest of some times: "11.0 to 29.5 ms", or one figure where they are the same."""
     low, high = f"{min(values):.1f}", f"{max(values):.1f}"
@@ -131,8 +138,9 @@ def render_fp8_decode(path: str, doc: Doc) -> list[str]:
 def render_fp8_matmul(path: str, doc: Doc) -> list[str]:
     """step17_fp8_weights/bench/bench_fp8_matmul.py: per projection shape and row count, microseconds and the share of
     the copy bandwidth the weight's bytes were read at, for bf16 F.linear, cuBLAS's FP8 (one scale per tensor, one
-    per row) and our kernel at its default settings."""
-    kernels = ["bf16 F.linear", "_scaled_mm per tensor", "_scaled_mm per row", "fp8_matmul (ours)"]
+    per row), our kernel at its default settings and at the best of the grid timed (where the file has one)."""
+    kernels = ["bf16 F.linear", "_scaled_mm per tensor", "_scaled_mm per row", "fp8_matmul (ours)",
+               "fp8_matmul best of grid"]
     rows = []
     for name, points in doc["shapes"].items():
         for point in points:
@@ -565,13 +573,13 @@ RENDERERS = (
     Renderer("grammar-decode", lambda doc: "free" in first(doc, "decode"), render_grammar_decode),
     Renderer("fp8-accuracy", lambda doc: "perplexity" in first(doc, "variants"), render_fp8_accuracy),
     Renderer("fp8-decode", lambda doc: "fp8_vs_as_loaded" in doc, render_fp8_decode),
-    Renderer("fp8-matmul", lambda doc: "fp8_matmul" in str(doc.get("shapes", "")), render_fp8_matmul),
+    Renderer("fp8-matmul", lambda doc: "results" in first_point(doc), render_fp8_matmul),
     Renderer("prefix", lambda doc: "scenario" in first(doc, "runs"), render_prefix),
     Renderer("stall", lambda doc: bool(first(doc, "stall")), render_stall),
     Renderer("burst", lambda doc: bool(first(doc, "burst")), render_burst),
     Renderer("kernel-bench", lambda doc: "splits" in first(doc, "points"), render_kernel_bench),
     Renderer("prefill-kernel-bench", lambda doc: "q_len" in first(doc, "configs"), render_prefill_kernel_bench),
-    Renderer("matmul-bench", lambda doc: isinstance(doc.get("shapes"), dict), render_matmul_bench),
+    Renderer("matmul-bench", lambda doc: "cublas_us" in first_point(doc), render_matmul_bench),
     Renderer("profile", lambda doc: "replay_ms_per_step" in first(doc, "points"), render_profile),
     Renderer("breakdown", lambda doc: "replay_ms_per_step" in first(doc, "points"), breakdown_table),
     Renderer("overlap", lambda doc: "overlap" in first(doc, "rows"), render_overlap),
