@@ -21,6 +21,13 @@ def first(doc: Doc, key: str) -> Doc:
     return records[0] if isinstance(records, list) and records and isinstance(records[0], dict) else {}
 
 
+def first_point(doc: Doc) -> Doc:
+    """The first point of the first shape of a matrix-multiply benchmark's `shapes`, or {}."""
+    shapes = doc.get("shapes")
+    points = next(iter(shapes.values()), []) if isinstance(shapes, dict) else []
+    return points[0] if points else {}
+
+
 def span(values: list[float], unit: str) -> str:
     """The shortest and the longest of some times: "11.0 to 29.5 ms", or one figure where they are the same."""
     low, high = f"{min(values):.1f}", f"{max(values):.1f}"
@@ -117,6 +124,31 @@ def render_fp8_accuracy(path: str, doc: Doc) -> list[str]:
              "-" if "layer_relative_error" not in r else f"{r['layer_relative_error'][-1]:.1%}"] for r in doc["variants"]]
     return markdown(["weights", "MiB", "perplexity", "vs float32", "same token as float32", "tokens agreed",
                      "last layer's error"], rows, text_columns=1)
+
+
+def render_fp8_decode(path: str, doc: Doc) -> list[str]:
+    """step17_fp8_weights/bench/bench_fp8.py: per workload, output tok/s with the weights as loaded and with FP8
+    projections, in one process over one loaded model, and FP8 as a ratio of as loaded."""
+    loaded, fp8 = doc["tok_per_s"]["as loaded"], doc["tok_per_s"]["fp8"]
+    rows = [[name, f"{loaded[name]:,.1f}", f"{fp8[name]:,.1f}", f"{fp8[name] / loaded[name]:.2f}x"] for name in fp8]
+    return markdown(["workload", f"{doc['dtype'].removeprefix('torch.')} tok/s", "fp8 tok/s", "fp8 vs "
+                     f"{doc['dtype'].removeprefix('torch.')}"], rows, text_columns=1)
+
+
+def render_fp8_matmul(path: str, doc: Doc) -> list[str]:
+    """step17_fp8_weights/bench/bench_fp8_matmul.py: per projection shape and row count, microseconds and the share of
+    the copy bandwidth the weight's bytes were read at, for bf16 F.linear, cuBLAS's FP8 (one scale per tensor, one
+    per row), our kernel at its default settings and at the best of the grid timed (where the file has one)."""
+    kernels = ["bf16 F.linear", "_scaled_mm per tensor", "_scaled_mm per row", "fp8_matmul (ours)",
+               "fp8_matmul best of grid"]
+    rows = []
+    for name, points in doc["shapes"].items():
+        for point in points:
+            by_kernel = {r["kernel"]: r for r in point["results"]}
+            rows.append([name, f"{point['n']} x {point['k']}", str(point["rows"]),
+                         *(f"{by_kernel[k]['us']:.1f} ({by_kernel[k]['share_of_copy']:.0%})" if k in by_kernel else "-"
+                           for k in kernels)])
+    return markdown(["projection", "n x k", "rows", *(f"{k} us (of copy)" for k in kernels)], rows, text_columns=3)
 
 
 def budget_label(row: Doc) -> str:
@@ -540,12 +572,14 @@ RENDERERS = (
     Renderer("grammar", lambda doc: "constrained greedy" in first(doc, "outputs"), render_grammar),
     Renderer("grammar-decode", lambda doc: "free" in first(doc, "decode"), render_grammar_decode),
     Renderer("fp8-accuracy", lambda doc: "perplexity" in first(doc, "variants"), render_fp8_accuracy),
+    Renderer("fp8-decode", lambda doc: "fp8_vs_as_loaded" in doc, render_fp8_decode),
+    Renderer("fp8-matmul", lambda doc: "results" in first_point(doc), render_fp8_matmul),
     Renderer("prefix", lambda doc: "scenario" in first(doc, "runs"), render_prefix),
     Renderer("stall", lambda doc: bool(first(doc, "stall")), render_stall),
     Renderer("burst", lambda doc: bool(first(doc, "burst")), render_burst),
     Renderer("kernel-bench", lambda doc: "splits" in first(doc, "points"), render_kernel_bench),
     Renderer("prefill-kernel-bench", lambda doc: "q_len" in first(doc, "configs"), render_prefill_kernel_bench),
-    Renderer("matmul-bench", lambda doc: isinstance(doc.get("shapes"), dict), render_matmul_bench),
+    Renderer("matmul-bench", lambda doc: "cublas_us" in first_point(doc), render_matmul_bench),
     Renderer("profile", lambda doc: "replay_ms_per_step" in first(doc, "points"), render_profile),
     Renderer("breakdown", lambda doc: "replay_ms_per_step" in first(doc, "points"), breakdown_table),
     Renderer("overlap", lambda doc: "overlap" in first(doc, "rows"), render_overlap),

@@ -15,6 +15,7 @@ cuBLAS. For a greedy step the head's pack returns the tokens themselves (`Packed
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,8 @@ class PackedLinear:
         self.pdl = pdl  # the Triton kernels launched with programmatic dependent launch
         self.norm_after = norm_after
         self.argmax_state: ArgmaxState | None = None  # made by the first `argmax`; kept: graphs hold its address
+        # The skinny kernel to launch and what it reads besides (`skinny_linear`'s kernel_args): none, its own.
+        self.kernel_args: dict[str, Any] = {}
 
     def runs_skinny(self, x: torch.Tensor) -> bool:
         return self.skinny is not None and x.dim() == 2 and x.shape[0] <= MAX_ROWS
@@ -73,7 +76,7 @@ class PackedLinear:
         if squares is None:
             out = self.linear(x)
         else:
-            out = skinny_linear(x, self.weight, self.bias, self.skinny, self.pdl, squares, eps)
+            out = skinny_linear(x, self.weight, self.bias, self.skinny, self.pdl, squares, eps, **self.kernel_args)
         # The parts come back as column slices of one output: each token's row of a part is contiguous,
         # consecutive tokens are a packed row apart. The kernels that read them take that stride.
         return out.split(self.sizes, dim=-1)
@@ -86,7 +89,8 @@ class PackedLinear:
         if self.argmax_state is None:  # at the first call, which `DecodeGraphs` runs eagerly before it captures
             self.argmax_state = ArgmaxState(x.device)
         x, squares, eps = self.input_of(x, prepared)
-        return skinny_linear_argmax(x, self.weight, self.bias, self.skinny, self.pdl, squares, eps, self.argmax_state)
+        return skinny_linear_argmax(x, self.weight, self.bias, self.skinny, self.pdl, squares, eps, self.argmax_state,
+                                    **self.kernel_args)
 
     @staticmethod
     def input_of(x: torch.Tensor, prepared: PreparedNorm | None) -> tuple[torch.Tensor, torch.Tensor | None, float]:
@@ -101,7 +105,11 @@ class PackedLinear:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.runs_skinny(x):
-            return skinny_linear(x, self.weight, self.bias, self.skinny, self.pdl)
+            return skinny_linear(x, self.weight, self.bias, self.skinny, self.pdl, **self.kernel_args)
+        return self.multiply(x)
+
+    def multiply(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection of rows the skinny kernel does not take (cuBLAS)."""
         return F.linear(x, self.weight, self.bias)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> PreparedNorm:
@@ -110,10 +118,10 @@ class PackedLinear:
         if norm is None or self.bias is not None:
             raise ValueError("only o and down are added to the residual stream: pack them with PackedProjections")
         if self.runs_skinny(x) and residual.is_contiguous():
-            stream, scaled, squares = skinny_linear_add(x, self.weight, residual, norm.weight, self.skinny, self.pdl)
+            stream, scaled, squares = skinny_linear_add(x, self.weight, residual, norm.weight, self.skinny, self.pdl,
+                                                        **self.kernel_args)
             return PreparedNorm(stream, norm, scaled=scaled, squares=squares)
-        stream, normed = fused_kernels.add_rms_norm(residual, F.linear(x, self.weight), norm.weight, norm.eps,
-                                                    pdl=self.pdl)
+        stream, normed = fused_kernels.add_rms_norm(residual, self.multiply(x), norm.weight, norm.eps, pdl=self.pdl)
         return PreparedNorm(stream, norm, normed=normed)
 
 

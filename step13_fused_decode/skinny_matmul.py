@@ -81,12 +81,12 @@ LOWEST_INT64 = tl.constexpr(-2**63)
 
 
 @triton.jit
-def _skinny_matmul_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED,
-                          TOKENS, M, N, K, stride_xm, stride_wn, stride_om, num_parts_in, eps,
-                          HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr,
-                          ADD_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, IEEE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    wait_for_previous_kernel(PDL)
+def band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps,
+                 NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's band of the product: x's rows times `BLOCK_N` output features of W over the whole of K,
+    summed in float32; with NORMALISE, each row divided by its root mean square. W's tiles are multiplied in x's
+    dtype (a weight stored in it is read as it is)."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -103,13 +103,26 @@ def _skinny_matmul_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SC
         x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(W + cols[:, None] * stride_wn + (k0 + ks)[None, :],
-                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0).to(x.dtype)
         if IEEE:  # float32 models: full-precision products, as cuBLAS gives them (no TF32)
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
     if NORMALISE:
         acc *= inverse_rms[:, None]
+    return acc
+
+
+@triton.jit
+def finish_band(acc, BIAS, OUT, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED, TOKENS, M, N, stride_om,
+                HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What becomes of this program's band `acc` (float32, from `band_product`): the bias added; then written, or
+    added to the residual stream and made ready for the next norm, or only its rows' best columns kept (ARGMAX)."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
     if HAS_BIAS:
         acc += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
@@ -149,6 +162,19 @@ def _skinny_matmul_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SC
                  (stream * scale[None, :]).to(OUT.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _skinny_matmul_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED,
+                          TOKENS, M, N, K, stride_xm, stride_wn, stride_om, num_parts_in, eps,
+                          HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr,
+                          ADD_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, IEEE: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    acc = band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps, NORMALISE, PARTS_IN, IEEE,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
+    finish_band(acc, BIAS, OUT, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED, TOKENS, M, N, stride_om,
+                HAS_BIAS, ADD_RESIDUAL, ARGMAX, BLOCK_M, BLOCK_N)
+
+
 class ArgmaxState:
     """Where the programs of one `skinny_linear_argmax` launch meet: each row's best (value, column) so far,
     packed in one int64, and the count of programs done. Every launch leaves both as it found them (the lowest
@@ -162,21 +188,24 @@ class ArgmaxState:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: SkinnyConfig = SkinnyConfig(), pdl: bool = False, squares: torch.Tensor | None = None,
-                  eps: float = 0.0) -> torch.Tensor:
+                  eps: float = 0.0, kernel: triton.JITFunction | None = None, **kernel_args: torch.Tensor
+                  ) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [rows <= MAX_ROWS, K] with contiguous rows and a contiguous weight.
 
     With `squares` [rows, parts] (from `skinny_linear_add`), x is a residual stream already scaled by an
     RMSNorm's weight, and each output row is divided by its root mean square: the projection of norm(x).
-    `pdl`: launch with programmatic dependent launch (`step13_fused_decode/dependent_launch.py`)."""
+    `pdl`: launch with programmatic dependent launch (`step13_fused_decode/dependent_launch.py`).
+    `kernel`: another kernel with this one's arguments, built on `band_product` and `finish_band`, given its
+    further arguments as `kernel_args` (default: this module's own)."""
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    _launch(x, weight, out, config, pdl, bias=bias, squares=squares, eps=eps)
+    launch(x, weight, out, config, pdl, bias=bias, squares=squares, eps=eps, kernel=kernel, **kernel_args)
     return out
 
 
 def skinny_linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          config: SkinnyConfig = SkinnyConfig(), pdl: bool = False,
-                         squares: torch.Tensor | None = None, eps: float = 0.0, state: ArgmaxState | None = None
-                         ) -> torch.Tensor:
+                         squares: torch.Tensor | None = None, eps: float = 0.0, state: ArgmaxState | None = None,
+                         kernel: triton.JITFunction | None = None, **kernel_args: torch.Tensor) -> torch.Tensor:
     """The argmax of each row of `skinny_linear(x, weight, bias, config, pdl, squares, eps)`, as int64 [rows],
     without the logits: the greedy tokens of an output head. The outputs are compared as rounded to x's dtype,
     ties going to the lowest column, as `logits.argmax(dim=-1)` picks them. `state`: buffers kept from call to
@@ -184,12 +213,14 @@ def skinny_linear_argmax(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     state = ArgmaxState(x.device) if state is None else state
     tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     # The logits are not written: x stands in for them, with the dtype they are rounded to.
-    _launch(x, weight, x, config, pdl, bias=bias, squares=squares, eps=eps, argmax=state, tokens=tokens)
+    launch(x, weight, x, config, pdl, bias=bias, squares=squares, eps=eps, argmax=state, tokens=tokens,
+            kernel=kernel, **kernel_args)
     return tokens
 
 
 def skinny_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, next_norm_weight: torch.Tensor,
-                      config: SkinnyConfig = SkinnyConfig(), pdl: bool = False
+                      config: SkinnyConfig = SkinnyConfig(), pdl: bool = False,
+                      kernel: triton.JITFunction | None = None, **kernel_args: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """residual + F.linear(x, weight) (no bias), made ready for the RMSNorm that reads it next, in one launch.
 
@@ -201,22 +232,24 @@ def skinny_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Ten
         raise ValueError(f"the residual must be [{rows}, {n}] and contiguous, got {tuple(residual.shape)}")
     out, scaled = torch.empty_like(residual), torch.empty_like(residual)
     squares = torch.empty((rows, triton.cdiv(n, config.block_n)), dtype=torch.float32, device=x.device)
-    _launch(x, weight, out, config, pdl, residual=residual, next_norm_weight=next_norm_weight, scaled=scaled,
-            squares_out=squares)
+    launch(x, weight, out, config, pdl, residual=residual, next_norm_weight=next_norm_weight, scaled=scaled,
+            squares_out=squares, kernel=kernel, **kernel_args)
     return out, scaled, squares
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: SkinnyConfig, pdl: bool,
+def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: SkinnyConfig, pdl: bool,
             bias: torch.Tensor | None = None, squares: torch.Tensor | None = None, eps: float = 0.0,
             residual: torch.Tensor | None = None, next_norm_weight: torch.Tensor | None = None,
             scaled: torch.Tensor | None = None, squares_out: torch.Tensor | None = None,
-            argmax: ArgmaxState | None = None, tokens: torch.Tensor | None = None) -> None:
-    """One launch of the kernel, each switch on where its tensors are given (bias; squares: NORMALISE;
-    residual, next_norm_weight, scaled, squares_out: ADD_RESIDUAL; argmax, tokens: ARGMAX). A switch that is
-    off never reads its pointers, so any tensor stands in for them."""
+            argmax: ArgmaxState | None = None, tokens: torch.Tensor | None = None,
+            kernel: triton.JITFunction | None = None, max_rows: int = MAX_ROWS, **kernel_args: torch.Tensor) -> None:
+    """One launch of the kernel (or of `kernel`, given `kernel_args` besides) on up to `max_rows` rows, each switch
+    on where its tensors are given (bias; squares: NORMALISE; residual, next_norm_weight, scaled, squares_out:
+    ADD_RESIDUAL; argmax, tokens: ARGMAX). A switch that is off never reads its pointers, so any tensor stands in
+    for them."""
     rows, k = x.shape
     n = weight.shape[0]
-    _check(x, weight)
+    _check(x, weight, max_rows)
     if squares is not None and (squares.shape[0] != rows or not squares.is_contiguous()):
         raise ValueError(f"squares must be [{rows}, parts] and contiguous, got {tuple(squares.shape)}")
 
@@ -224,20 +257,20 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Sk
         return weight if tensor is None else tensor
 
     best, arrived = (argmax.best, argmax.arrived) if argmax is not None else (None, None)
-    _skinny_matmul_kernel[(triton.cdiv(n, config.block_n),)](
+    (kernel or _skinny_matmul_kernel)[(triton.cdiv(n, config.block_n),)](
         x, weight, given(bias), out, given(squares), given(residual), given(next_norm_weight), given(scaled),
         given(squares_out), given(best), given(arrived), given(tokens),
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0), squares.shape[1] if squares is not None else 0,
         eps, HAS_BIAS=bias is not None, NORMALISE=squares is not None,
         PARTS_IN=triton.next_power_of_2(squares.shape[1]) if squares is not None else 1,
         ADD_RESIDUAL=residual is not None, ARGMAX=argmax is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl, launch_pdl=pdl,
+        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, PDL=pdl, launch_pdl=pdl, **kernel_args,
     )
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.shape[0] > MAX_ROWS:
-        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
+def _check(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> None:
+    if x.shape[0] > max_rows:
+        raise ValueError(f"skinny_linear takes at most {max_rows} rows, got {x.shape[0]}: use F.linear")
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("skinny_linear needs x's rows and the weight contiguous")

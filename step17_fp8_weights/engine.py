@@ -3,8 +3,9 @@ bf16, and a decode step's time follows the bytes it reads.
 
 Against step 16, `Fp8WeightsEngine` changes one thing when asked (`quantization="fp8"`, `--quantization fp8`): it
 runs a twin of the loaded model whose projections are `Fp8Linear` (`fp8.fp8_twin`), quantized as it starts from
-whatever checkpoint was loaded. The embedding, the norms and the output head keep their dtype. Here the projections
-multiply by their dequantized weights, on every path, eager or captured.
+whatever checkpoint was loaded. The embedding, the norms and the output head keep their dtype. Every path, eager or
+captured, reads the projections through `Fp8Linear`; on a GPU step 13's fused decode packs them as it packs bf16
+ones (`fused_path.py`).
 """
 
 from __future__ import annotations
@@ -34,12 +35,16 @@ class Fp8WeightsEngine(StructuredOutputEngine):
             if config.batch_invariant:
                 raise ValueError("--batch-invariant multiplies through its own kernels, which read higher-precision "
                                  "weights, not FP8 ones: drop --quantization or --batch-invariant")
-            if config.fused_ops:
-                raise ValueError("--quantization fp8 runs the model's own projections (step 13's packed ones read "
-                                 "higher-precision weights): drop --fused-ops")
-            config = replace(config, fused_ops=False)
             loaded = replace(loaded, model=fp8_twin(loaded.model))
         super().__init__(loaded, config)
+
+    @property
+    def fused_graphs_class(self) -> type:  # noqa: D102 (step 13's attribute, chosen by the quantization)
+        if self.config.quantization != "fp8":
+            return super().fused_graphs_class
+        from step17_fp8_weights.fused_path import Fp8DecodeGraphs  # Triton is optional
+
+        return Fp8DecodeGraphs
 
     def memory_report(self) -> str:
         held = weight_bytes(self.model)

@@ -48,9 +48,10 @@ def quantize(weight: torch.Tensor, per_row: bool = True) -> Fp8Weight:
 
 
 class Fp8Linear(nn.Module):
-    """A projection whose weight is kept as e4m3 values and row scales: half the bytes of bf16. A decode step's few
-    rows on a GPU go through our kernel (`fp8_matmul`); otherwise the values are widened to the input's dtype,
-    multiplied, and each output feature scaled after: the kernel's arithmetic, up to the order of its sums."""
+    """A projection whose weight is kept as e4m3 values and row scales: half the bytes of bf16. On a GPU a decode
+    step's few rows go through our kernel (`fp8_matmul`), and more rows in bf16 through cuBLAS's FP8 multiply with
+    each row of x quantized too (`scaled_mm_rowwise`). Otherwise the values are widened to the input's dtype,
+    multiplied, and each output feature scaled after: our kernel's arithmetic, up to the order of its sums."""
 
     def __init__(self, weight: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -72,14 +73,32 @@ class Fp8Linear(nn.Module):
         return Fp8Weight(self.values, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from step17_fp8_weights.fp8_matmul import MAX_ROWS, fp8_matmul  # Triton: loaded where there is a GPU
+        return fp8_linear(x, self.values, self.scale, self.bias)
 
-            if x.numel() // x.shape[-1] <= MAX_ROWS:
-                rows = fp8_matmul(x.reshape(-1, x.shape[-1]), self.values, self.scale, self.bias)
-                return rows.reshape(*x.shape[:-1], self.out_features)
-        scaled = F.linear(x, self.values.to(x.dtype)) * self.scale.to(x.dtype)
-        return scaled if self.bias is None else scaled + self.bias
+
+def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] times the FP8 weight. On a GPU, by rows: our kernel up to its `MAX_ROWS`, and past that cuBLAS's
+    FP8 multiply with each row of x quantized as a weight's row is (where it takes the operands). Otherwise
+    `widened_linear`."""
+    if x.is_cuda:
+        from step17_fp8_weights import fp8_matmul  # Triton: loaded where there is a GPU
+
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= fp8_matmul.MAX_ROWS:
+            return fp8_matmul.fp8_matmul(rows, values, scale, bias).reshape(*x.shape[:-1], -1)
+        if fp8_matmul.scaled_mm_fits(rows, values):
+            quantized = quantize(rows)
+            out = fp8_matmul.scaled_mm_rowwise(quantized.values, quantized.scale, values, scale, bias, x.dtype)
+            return out.reshape(*x.shape[:-1], -1)
+    return widened_linear(x, values, scale, bias)
+
+
+def widened_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """x times the FP8 weight: its values widened to x's dtype (exactly), multiplied, and each output feature
+    scaled after; our kernel's arithmetic, up to the order of its sums."""
+    scaled = F.linear(x, values.to(x.dtype)) * scale.to(x.dtype)
+    return scaled if bias is None else scaled + bias
 
 
 def quantize_projections(model: CausalLM, per_row: bool = True) -> int:

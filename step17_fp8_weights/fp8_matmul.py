@@ -1,10 +1,15 @@
 """The multiply of a decode step's few rows by an FP8 weight: y = (x V^T) * scale + bias, V the e4m3 values.
 
 A decode step reads every weight once for a handful of rows, so it lasts as long as the weight takes to stream from
-memory: one byte a weight here against two in bf16. Each program owns a band of `block_n` output features over the
-whole of K (as step 13's skinny multiply does), loads the e4m3 values, widens them to the input's dtype (exactly:
-e4m3's 3 mantissa bits and 4 exponent bits fit in bf16 and float32), multiplies on the tensor cores with float32
-sums, and multiplies each output feature's sum by its row's scale once, at the end, before the bias.
+memory: one byte a weight here against two in bf16. The kernel is step 13's skinny multiply with one change: each
+program owns a band of `block_n` output features over the whole of K (`band_product`), loading the e4m3 values and
+widening them to the input's dtype (exactly: e4m3's 3 mantissa bits and 4 exponent bits fit in bf16 and float32),
+with float32 sums on the tensor cores; then each output feature's sum is multiplied by its row's scale, once, before
+the rest of step 13's ending (`finish_band`: the bias, and in the fused decode the residual add and the next norm's
+sums of squares). Up to `MAX_ROWS` rows: a decode step's batch.
+
+More rows than that are compute-bound, not read-bound: `scaled_mm_rowwise` gives them to cuBLAS's FP8 multiply
+(`torch._scaled_mm`), each activation row quantized to e4m3 with its own scale first (`fp8.fp8_linear` does both).
 
 On a machine without a GPU, set TRITON_INTERPRET=1 to run it on CPU tensors (the tests do).
 """
@@ -15,52 +20,65 @@ import torch
 import triton
 import triton.language as tl
 
-from step13_fused_decode.skinny_matmul import device_limits, skinny_config
+from step13_fused_decode.dependent_launch import wait_for_previous_kernel
+from step13_fused_decode.skinny_matmul import SkinnyConfig, band_product, device_limits, finish_band, launch
 
-# One tile of rows, the most the kernel takes: a decode step's batch, read-bound. More rows are compute-bound, and
-# `Fp8Linear` multiplies them by the widened values instead.
-MAX_ROWS = 64
+# The most rows our kernel takes: step 13's tile, a decode step's batch. At 64 rows it was slower than bf16 on every
+# projection of Qwen2.5-7B (results/gpu/fp8-matmul.json); past 16 rows the multiply goes to `scaled_mm_rowwise`.
+MAX_ROWS = 16
+
+
+def fp8_config(block_m: int, x_element_size: int, device: torch.device) -> SkinnyConfig:
+    """Launch settings: bands of 32 features, 512 of K per iteration, 3 stages. The fastest, or within a few
+    percent of it, of a grid of 36 for each of Qwen2.5-7B's four projections at 1 and 8 rows on an H100
+    (bench_fp8_matmul.py). Stages are dropped where the x tile (`block_m` rows in x's dtype) and the weight tile
+    would not fit a device's shared memory."""
+    block_n, block_k, stages = 32, 512, 3
+    shared_memory = device_limits(device).get("shared_memory", 227 * 1024)  # an H100's, in the interpreter
+    while stages * (block_m * x_element_size + block_n) * block_k > shared_memory and stages > 1:
+        stages -= 1
+    return SkinnyConfig(block_n, block_k, 4, stages)
 
 
 @triton.jit
-def _fp8_matmul_kernel(X, W, SCALE, BIAS, OUT, M, N, K, stride_xm, stride_wn, stride_om,
-                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.arange(0, BLOCK_M)
+def fp8_skinny_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED,
+                      TOKENS, M, N, K, stride_xm, stride_wn, stride_om, num_parts_in, eps, SCALE,
+                      HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr,
+                      ADD_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, IEEE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Step 13's skinny kernel over e4m3 values W and their row scales SCALE [N] (float32)."""
+    wait_for_previous_kernel(PDL)
+    acc = band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps, NORMALISE, PARTS_IN, IEEE,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    row_mask = rows < M
-    col_mask = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = k0 + ks < K
-        x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(W + cols[:, None] * stride_wn + (k0 + ks)[None, :], mask=col_mask[:, None] & k_mask[None, :],
-                    other=0.0).to(x.dtype)  # exact: every e4m3 value is a bf16 and a float32 value
-        if IEEE:  # float32 models: full-precision products (no TF32)
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
-    acc *= tl.load(SCALE + cols, mask=col_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(OUT + rows[:, None] * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    acc *= tl.load(SCALE + cols, mask=cols < N, other=0.0)[None, :]  # once per output feature, after the sum
+    finish_band(acc, BIAS, OUT, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED, TOKENS, M, N, stride_om,
+                HAS_BIAS, ADD_RESIDUAL, ARGMAX, BLOCK_M, BLOCK_N)
 
 
-def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS) times the FP8 weight (`values` [N, K] e4m3, `scale` [N] float32): [M, N] in x's dtype."""
+def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+               config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) times the FP8 weight (`values` [N, K] e4m3, `scale` [N] float32): [M, N] in x's dtype.
+    `config`: launch settings (default: `fp8_config`'s)."""
     m, k = x.shape
     n = values.shape[0]
-    assert m <= MAX_ROWS and values.dtype == torch.float8_e4m3fn and values.shape[1] == k and scale.shape == (n,)
+    assert values.dtype == torch.float8_e4m3fn and values.shape[1] == k and scale.shape == (n,)
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    config = skinny_config(n, element_size=1, **device_limits(x.device))
-    block_m = max(16, triton.next_power_of_2(m))  # the smallest tile a tensor-core dot takes is 16 rows
-    _fp8_matmul_kernel[(triton.cdiv(n, config.block_n),)](
-        x, values, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), values.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    block_m = max(16, triton.next_power_of_2(m))  # as `launch` tiles the rows
+    config = config or fp8_config(block_m, x.element_size(), x.device)
+    launch(x, values, out, config, pdl=False, bias=bias, kernel=fp8_skinny_kernel, max_rows=MAX_ROWS, SCALE=scale)
     return out
+
+
+def scaled_mm_fits(x: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether cuBLAS's row-wise scaled FP8 multiply takes these operands: bf16 out, and K and N multiples of 16."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and values.shape[0] % 16 == 0 and values.shape[1] % 16 == 0
+
+
+def scaled_mm_rowwise(x_values: torch.Tensor, x_scale: torch.Tensor, values: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x (as e4m3 rows `x_values` [M, K] and their scales `x_scale` [M]) times the FP8 weight on cuBLAS's FP8
+    tensor-core path, the product scaled by both scales, in `out_dtype` (bf16)."""
+    out = torch._scaled_mm(x_values, values.t(), scale_a=x_scale[:, None], scale_b=scale[None, :], out_dtype=out_dtype)
+    return out if bias is None else out + bias

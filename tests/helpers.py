@@ -250,16 +250,18 @@ def seeded_sampling_case() -> tuple[LoadedModel, list[list[int]], list[SamplingP
 # ----- CUDA graphs ------------------------------------------------------------------------------------------
 
 
-def check_graphs_match_step06_on_cuda(model: str, make_engine: Callable[[LoadedModel, int], CudaGraphEngine]) -> None:
+def check_graphs_match_step06_on_cuda(model: str, make_engine: Callable[[LoadedModel, int], CudaGraphEngine],
+                                      reference: Callable[[LoadedModel], LoadedModel] = lambda loaded: loaded) -> None:
     """fp32, our Triton kernels in both engines: replayed graphs give step 06's eager tokens, with
-    arrivals, non-bucket batches and a budget tight enough to preempt (step 13 runs it on its fused path)."""
+    arrivals, non-bucket batches and a budget tight enough to preempt (step 13 runs it on its fused path).
+    `reference`: the model step 06 and HF run, made from the loaded one (default: that one)."""
     from common.checks import compare_engines, staggered_generate
     from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
 
     loaded = load_model(model, device="cuda", dtype=torch.float32)
     prompts = [loaded.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:7]]
     params = [SamplingParams(max_tokens=10 + 2 * i) for i in range(7)]
-    step06 = PagedAttentionEngine(loaded, PagedAttentionEngineConfig(device="cuda", block_size=16, num_blocks=64,
+    step06 = PagedAttentionEngine(reference(loaded), PagedAttentionEngineConfig(device="cuda", block_size=16, num_blocks=64,
                                                                       attn="triton"))
     expected = staggered_generate(step06, prompts, params, arrive_every=1)
     for num_blocks in (64, 10):
@@ -268,7 +270,7 @@ def check_graphs_match_step06_on_cuda(model: str, make_engine: Callable[[LoadedM
         outputs = staggered_generate(engine, prompts, params, arrive_every=1)
         # The graphs fix the decode kernel's split count, so float32 sums may be ordered differently from
         # step 06's: a token may differ only where HF shows the two candidates tied.
-        reports = compare_engines(loaded, prompts, outputs, expected)
+        reports = compare_engines(reference(loaded), prompts, outputs, expected)
         assert all(r.ok for r in reports), [r.describe() for r in reports if not r.ok]
         assert sum(r.equal for r in reports) >= len(prompts) - 1
         assert engine.allocator.num_used == 0

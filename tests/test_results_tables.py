@@ -112,6 +112,11 @@ FIGURES = [
     ("soak", f"{GPU}/soak.json", lambda d: (len(d["outcomes"]), "count", f"{d['checks']['lost_requests']:,}")),
     ("fp8-accuracy", "results/cpu/fp8-accuracy.json",
      lambda d: (1, "vs float32", f"{d['variants'][1]['perplexity_vs_float32']:.4f}x")),
+    ("fp8-decode", f"{GPU}/fp8-decode.json",
+     lambda d: (0, "fp8 vs bfloat16", f"{d['fp8_vs_as_loaded']['batch1_in32_out128']:.2f}x")),
+    ("fp8-matmul", f"{GPU}/fp8-matmul.json",
+     lambda d: (6, "fp8_matmul (ours) us (of copy)", "{us:.1f} ({share_of_copy:.0%})".format(
+         **d["shapes"]["gate_up"][0]["results"][3]))),
     ("grammar-decode", "results/cpu/grammar.json", lambda d: (
         1, "half constrained tok/s", f"{d['decode'][1]['every other request constrained']['tok_per_s']:,.1f}")),
     ("open-loop", f"{GPU}/open-loop-step15.json",

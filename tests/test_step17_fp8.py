@@ -17,7 +17,7 @@ from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEn
 from step17_fp8_weights.engine import Fp8WeightsEngine, Fp8WeightsEngineConfig
 from step17_fp8_weights import fp8
 from step17_fp8_weights.fp8 import E4M3_MAX, PROJECTIONS, Fp8Linear, fp8_twin, quantize_projections, weight_bytes
-from tests.helpers import hf_tokens
+from tests.helpers import check_graphs_match_step06_on_cuda, hf_tokens
 from tests.test_sampling_controls import ALWAYS_PROPOSE
 
 
@@ -138,3 +138,39 @@ def test_the_twins_state_is_the_dequantized_model_hf_runs_as_the_reference(tiny:
     prompt = tiny.tokenizer.apply_chat_template(PARITY_PROMPTS[0])
     assert reference_greedy(hf_model_for(replace(tiny, model=twin)), prompt, 12, tiny.tokenizer.eos_token_ids) == \
         reference_greedy(hf_model_for(dequantized(tiny)), prompt, 12, tiny.tokenizer.eos_token_ids)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")
+@pytest.mark.parametrize("fused_ops", [False, True])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_captured_graphs_with_fp8_weights_match_step06_on_cuda(model: str, fused_ops: bool) -> None:
+    """Step 12's test with FP8 projections (our kernel, and on the fused path step 13's packs of them), against
+    step 06 and HF over the same FP8 weights."""
+    def make_engine(loaded: LoadedModel, num_blocks: int) -> Fp8WeightsEngine:
+        return Fp8WeightsEngine(loaded, Fp8WeightsEngineConfig(
+            device="cuda", block_size=16, num_blocks=num_blocks, attn="triton", max_graph_batch=8, fused_ops=fused_ops,
+            quantization="fp8"))
+
+    check_graphs_match_step06_on_cuda(model, make_engine, lambda loaded: replace(loaded, model=fp8_twin(loaded.model)))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter is off on a GPU machine: "
+                    "test_captured_graphs_with_fp8_weights_match_step06_on_cuda runs the packs there")
+def test_packed_fp8_projections_give_each_layers_output(tiny: LoadedModel) -> None:
+    """Step 13's packs over FP8 projections (`fused_path.Fp8PackedLinear`): q/k/v through the skinny FP8 kernel,
+    each part equal to its own `Fp8Linear`; o added to the residual stream as step 13 adds it; the head left as it is."""
+    from step17_fp8_weights.fused_path import Fp8Projections
+
+    model = fp8_twin(tiny.model)
+    attention = model.model.layers[0].self_attn
+    qkv = (attention.q_proj, attention.k_proj, attention.v_proj)
+    x = torch.randn(3, model.config.hidden_size)
+    expected = [linear(x) for linear in qkv]
+    packed = Fp8Projections(model, skinny=True)
+    for got, want in zip(packed[qkv](x), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    residual = torch.randn(3, model.config.hidden_size)
+    o_input = torch.randn(3, attention.o_proj.in_features)
+    prepared = packed[attention.o_proj,].add(o_input, residual)
+    torch.testing.assert_close(prepared.stream, residual + attention.o_proj(o_input), atol=1e-5, rtol=1e-5)
+    assert packed[model.lm_head,].kernel_args == {} and packed[qkv].kernel_args["SCALE"].dtype == torch.float32

@@ -12,7 +12,7 @@ from step17_fp8_weights.fp8_matmul import MAX_ROWS, fp8_matmul
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, 8, MAX_ROWS])
 @pytest.mark.parametrize("n, k, bias", [(96, 96, False), (192, 96, True), (100, 72, True)])
 def test_the_kernel_computes_the_scaled_product(rows: int, n: int, k: int, bias: bool) -> None:
     """(x V^T) * scale + bias, V the widened e4m3 values: what the kernel must give, up to the order of its sums.
