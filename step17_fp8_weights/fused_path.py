@@ -35,7 +35,7 @@ class Fp8PackedLinear(PackedLinear):
                                                out_features=linear.out_features) for linear in linears),
                          skinny=False, pdl=pdl, norm_after=norm_after)
         self.scale = stack_in_place([linear.scale for linear in linears])
-        if skinny:  # a byte a weight: `fp8_config`'s deeper K, for step 13's tile of rows in the model's dtype
+        if skinny:  # the setting measured for FP8 weights (`fp8_config`), for step 13's tile in the model's dtype
             element_size = torch.empty(0, dtype=linears[0].dtype).element_size()
             self.skinny = fp8_config(MAX_ROWS, element_size, self.weight.device)
         self.kernel_args = {"kernel": fp8_skinny_kernel, "SCALE": self.scale}

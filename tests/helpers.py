@@ -261,8 +261,8 @@ def check_graphs_match_step06_on_cuda(model: str, make_engine: Callable[[LoadedM
     loaded = load_model(model, device="cuda", dtype=torch.float32)
     prompts = [loaded.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:7]]
     params = [SamplingParams(max_tokens=10 + 2 * i) for i in range(7)]
-    step06 = PagedAttentionEngine(reference(loaded), PagedAttentionEngineConfig(device="cuda", block_size=16, num_blocks=64,
-                                                                      attn="triton"))
+    step06 = PagedAttentionEngine(reference(loaded), PagedAttentionEngineConfig(
+        device="cuda", block_size=16, num_blocks=64, attn="triton"))
     expected = staggered_generate(step06, prompts, params, arrive_every=1)
     for num_blocks in (64, 10):
         engine = make_engine(loaded, num_blocks)

@@ -158,7 +158,7 @@ def test_captured_graphs_with_fp8_weights_match_step06_on_cuda(model: str, fused
                     "test_captured_graphs_with_fp8_weights_match_step06_on_cuda runs the packs there")
 def test_packed_fp8_projections_give_each_layers_output(tiny: LoadedModel) -> None:
     """Step 13's packs over FP8 projections (`fused_path.Fp8PackedLinear`): q/k/v through the skinny FP8 kernel,
-    each part equal to its own `Fp8Linear`; o added to the residual stream as step 13 adds it; the head left as it is."""
+    each part equal to its own `Fp8Linear`; o added to the residual stream as step 13 adds it; the head as it was."""
     from step17_fp8_weights.fused_path import Fp8Projections
 
     model = fp8_twin(tiny.model)

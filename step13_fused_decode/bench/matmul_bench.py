@@ -89,15 +89,21 @@ def bench_shape(n: int, k: int, has_bias: bool, rows_tried: list[int], grid: lis
     return points
 
 
-def main() -> int:
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def shape_bench_parser(description: str, rows: str, output: str) -> Parser:
+    """The arguments of a benchmark of a model's projection shapes; the caller adds its own."""
+    p = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="qwen2.5-7b", help="a bundled model config: the shapes to time")
-    p.add_argument("--rows", default="1,2,4,8,16")
+    p.add_argument("--rows", default=rows)
     p.add_argument("--repeats", type=at_least(1), default=10)
-    p.add_argument("--output", type=Path, default=None,
-                   help="evidence file (default runs/step13_fused_decode/matmul-bench-cuda-<config>.json)")
+    p.add_argument("--output", type=Path, default=None, help=f"evidence file (default {output})")
+    return p
+
+
+def parse_gpu_bench_args(p: Parser) -> tuple[argparse.Namespace, list[int]] | int:
+    """The command line of a benchmark of projection shapes: (args, the row counts of --rows), or the exit code where
+    a value is bad (one line, before any GPU work) or there is no GPU."""
     args = p.parse_args()
-    try:  # before any GPU work: a bad value is one line and exit code 2
+    try:
         check_args(args)
         rows_tried = parse_sizes("--rows", args.rows)
     except CommandLineError as err:
@@ -105,6 +111,15 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("error: this times CUDA kernels: run it on a GPU machine", file=sys.stderr)
         return 2
+    return args, rows_tried
+
+
+def main() -> int:
+    p = shape_bench_parser(__doc__, "1,2,4,8,16", "runs/step13_fused_decode/matmul-bench-cuda-<config>.json")
+    parsed = parse_gpu_bench_args(p)
+    if isinstance(parsed, int):
+        return parsed
+    args, rows_tried = parsed
     device, dtype = torch.device("cuda"), torch.bfloat16
     config = load_bundled_config(args.config)
     header = evidence_header(device, f"shapes of {args.config}", dtype, rows=rows_tried,

@@ -13,20 +13,17 @@ the same call, per tensor or per row. Writes JSON evidence.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 
 from common.bench import default_output, evidence_header, write_json
-from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
 from common.config import load_bundled_config
 from common.timing import copy_bandwidth_gbs, timed_ms
-from step13_fused_decode.bench.matmul_bench import L2_MULTIPLE, projection_shapes
+from step13_fused_decode.bench.matmul_bench import (L2_MULTIPLE, parse_gpu_bench_args, projection_shapes,
+                                                   shape_bench_parser)
 from step13_fused_decode.skinny_matmul import SkinnyConfig
 from step17_fp8_weights.fp8 import E4M3, E4M3_MAX, quantize
 from step17_fp8_weights.fp8_matmul import MAX_ROWS, fp8_config, fp8_matmul, scaled_mm_rowwise
@@ -107,22 +104,12 @@ def bench_shape(n: int, k: int, rows_tried: list[int], bandwidth_gbs: float, rep
 
 
 def main() -> int:
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="qwen2.5-7b", help="a bundled model config: the shapes to time")
-    p.add_argument("--rows", default="1,8,64,256")
-    p.add_argument("--repeats", type=at_least(1), default=10)
+    p = shape_bench_parser(__doc__, "1,8,64,256", "runs/step17_fp8_weights/fp8-matmul-cuda-<config>.json")
     p.add_argument("--no-sweep", action="store_true", help="time our kernel at its default settings only")
-    p.add_argument("--output", type=Path, default=None,
-                   help="evidence file (default runs/step17_fp8_weights/fp8-matmul-cuda-<config>.json)")
-    args = p.parse_args()
-    try:  # before any GPU work: a bad value is one line and exit code 2
-        check_args(args)
-        rows_tried = parse_sizes("--rows", args.rows)
-    except CommandLineError as err:
-        return fail(err)
-    if not torch.cuda.is_available():
-        print("error: this times CUDA kernels: run it on a GPU machine", file=sys.stderr)
-        return 2
+    parsed = parse_gpu_bench_args(p)
+    if isinstance(parsed, int):
+        return parsed
+    args, rows_tried = parsed
     device = torch.device("cuda")
     bandwidth = copy_bandwidth_gbs(device)
     header = evidence_header(device, f"shapes of {args.config}", torch.bfloat16, rows=rows_tried,
