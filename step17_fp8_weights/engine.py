@@ -35,7 +35,9 @@ class Fp8WeightsEngine(StructuredOutputEngine):
             if config.batch_invariant:
                 raise ValueError("--batch-invariant multiplies through its own kernels, which read higher-precision "
                                  "weights, not FP8 ones: drop --quantization or --batch-invariant")
-            loaded = replace(loaded, model=fp8_twin(loaded.model))
+            # No checkpoint folder: the weights are no longer the folder's, and a reference (HF's model) is then
+            # built from this model's state, the dequantized weights (`Fp8Linear`'s state_dict).
+            loaded = replace(loaded, model=fp8_twin(loaded.model), source_dir=None)
         super().__init__(loaded, config)
 
     @property

@@ -2,7 +2,8 @@
 quantized as the engine starts from whatever checkpoint was loaded; without it, step 16 as it is.
 
 Examples:
-    .venv/bin/python step17_fp8_weights/run.py --quantization fp8 --prompt "Tell me about the sea."
+    .venv/bin/python step17_fp8_weights/run.py --quantization fp8   # the embedded model, checked against HF
+    .venv/bin/python step17_fp8_weights/run.py --dry-run --quantization fp8   # tiny models of each architecture
 """
 
 import argparse

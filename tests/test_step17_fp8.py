@@ -174,3 +174,17 @@ def test_packed_fp8_projections_give_each_layers_output(tiny: LoadedModel) -> No
     prepared = packed[attention.o_proj,].add(o_input, residual)
     torch.testing.assert_close(prepared.stream, residual + attention.o_proj(o_input), atol=1e-5, rtol=1e-5)
     assert packed[model.lm_head,].kernel_args == {} and packed[qkv].kernel_args["SCALE"].dtype == torch.float32
+
+
+@pytest.mark.embedded
+def test_the_embedded_model_with_fp8_weights_equals_hf_over_its_dequantized_weights(embedded: LoadedModel) -> None:
+    """A checkpoint folder's model, once quantized, is checked against HF built from the engine's weights (the
+    dequantized ones), not against the folder's: run.py's parity check on the embedded model passes."""
+    from common.checks import check_against_reference
+
+    engine = Fp8WeightsEngine(embedded, Fp8WeightsEngineConfig(device="cpu", quantization="fp8", num_blocks=64))
+    assert engine.loaded.source_dir is None and embedded.source_dir is not None
+    prompts = [embedded.tokenizer.apply_chat_template(PARITY_PROMPTS[2])]
+    completions = engine.generate(prompts, SamplingParams(max_tokens=16))
+    reports = check_against_reference(engine, prompts, completions, 16)
+    assert all(report.equal for report in reports), [report.describe() for report in reports]
