@@ -61,11 +61,11 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         # The model's vocabulary may be wider than the tokenizer's (Qwen2.5-7B: 152,064 rows, 151,665 tokens): the
-        # bitmask spans the model's, and a row no token names is never allowed. The grammar ends at the tokenizer's
-        # end-of-sequence tokens: a checkpoint's tokenizer holds its config's too, and a random model's config may
-        # name ids its borrowed tokenizer lacks.
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size,
-                                                      eos_token=sorted(tokenizer.eos_token_ids))
+        # bitmask spans the model's, and a row no token names is never allowed. The grammar ends at the
+        # end-of-sequence tokens the tokenizer names: a checkpoint's config adds its own to the tokenizer's, and a
+        # random model's config may name ids its borrowed tokenizer lacks (llguidance refuses those).
+        named = sorted(t for t in tokenizer.eos_token_ids if t < len(tokenizer.hf))
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=named or None)
         self.vocab_size = vocab_size
         self.grammar = lru_cache(maxsize=256)(grammar_text)
         self.threads = llguidance.LLExecutor()  # most of the host's cores (llguidance's default)

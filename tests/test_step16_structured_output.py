@@ -21,6 +21,7 @@ from common.loading import LoadedModel, embedded_tokenizer, random_model
 from common.prompts import PARITY_PROMPTS
 from common.reference import hf_model_for, reference_logits
 from common.sampling import SamplingParams, StructuredOutput
+from common.tokenizer import Tokenizer
 from step16_structured_output.bitmask import allowed_tokens, apply_token_bitmask
 from step16_structured_output.engine import StructuredOutputEngine, StructuredOutputEngineConfig
 from step16_structured_output.grammar import GrammarCompiler, GrammarError
@@ -157,10 +158,12 @@ def run_arriving(engine: StructuredOutputEngine, prompts: list[list[int]], param
 
 
 def test_a_random_model_whose_config_names_an_end_its_tokenizer_lacks() -> None:
-    """random:qwen2.5-7b borrows the embedded tokenizer (49,152 tokens) while its config ends at 151,645: the grammar
-    ends at the tokenizer's end-of-sequence, and its masks span the model's wider vocabulary."""
+    """random:qwen2.5-7b borrows the embedded tokenizer (49,152 tokens) while its config ends at 151,645, and a folder
+    written of it gives its tokenizer that end too (as `Tokenizer.from_dir` does): the grammar ends at the
+    end-of-sequence the tokenizer names, and its masks span the model's wider vocabulary."""
     config = replace(tiny_config("qwen2"), vocab_size=49_280, eos_token_ids=(49_200,))
-    loaded = LoadedModel("wide", random_model(config, torch.device("cpu"), torch.float32), embedded_tokenizer(), None)
+    tokenizer = Tokenizer(embedded_tokenizer().hf, config.eos_token_ids)
+    loaded = LoadedModel("wide", random_model(config, torch.device("cpu"), torch.float32), tokenizer, None)
     engine = StructuredOutputEngine(loaded, StructuredOutputEngineConfig(device="cpu", num_blocks=64))
     prompt = loaded.tokenizer.apply_chat_template(PARITY_PROMPTS[0])
     (completion,) = engine.generate([prompt], SamplingParams(max_tokens=8, structured=StructuredOutput(
