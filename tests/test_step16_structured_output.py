@@ -22,7 +22,7 @@ from common.prompts import PARITY_PROMPTS
 from common.reference import hf_model_for, reference_logits
 from common.sampling import SamplingParams, StructuredOutput
 from common.tokenizer import Tokenizer
-from step16_structured_output.bitmask import allowed_tokens, apply_token_bitmask
+from step16_structured_output.bitmask import BLOCK, allowed_tokens, apply_token_bitmask, masked_logits
 from step16_structured_output.engine import StructuredOutputEngine, StructuredOutputEngineConfig
 from step16_structured_output.grammar import GrammarCompiler, GrammarError
 from step16_structured_output.schemas import SCHEMAS
@@ -182,6 +182,21 @@ def test_the_mask_unpacks_bit_j_of_word_w_to_token_32w_plus_j() -> None:
     assert masked[1].eq(0).all()  # a row without a grammar is untouched
     assert masked[0].isfinite().nonzero().flatten().tolist() == [0, 1, 3, 63]
     assert masked[2].isfinite().nonzero().flatten().tolist() == [32]
+
+
+def test_the_kernel_masks_as_the_pytorch_ops_do() -> None:
+    """The GPU's one-pass kernel (here in Triton's interpreter) against the PyTorch ops, on a view of a larger
+    buffer (as a graph's logits are), over a vocabulary that ends inside a word and inside a program's block."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = BLOCK + 1000 + 7
+    buffer = torch.randn(6, vocab, generator=generator)
+    logits = buffer[:5]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), generator=generator, dtype=torch.int32)
+    rows = torch.tensor([4, 0, 2])
+    expected = apply_token_bitmask(logits, bitmask, rows)
+    assert torch.equal(masked_logits(logits, bitmask, rows), expected)
+    assert torch.equal(expected[[1, 3]], logits[[1, 3]])  # rows without a grammar as they were
+    assert expected[4].isinf().sum() == (~allowed_tokens(bitmask[:1], vocab)).sum()  # row 4 took the mask's row 0
 
 
 @pytest.mark.embedded
