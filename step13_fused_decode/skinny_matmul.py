@@ -41,6 +41,10 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
 
+    def grid(self, n: int) -> tuple[int, ...]:
+        """The programs for n output features: one per band, each over the whole of K."""
+        return (triton.cdiv(n, self.block_n),)
+
 
 def skinny_config(n: int, element_size: int = 2, multiprocessors: int = 132, shared_memory: int = 227 * 1024
                   ) -> SkinnyConfig:
@@ -84,9 +88,9 @@ LOWEST_INT64 = tl.constexpr(-2**63)
 def band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps,
                  NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's band of the product: x's rows times `BLOCK_N` output features of W over the whole of K,
-    summed in float32; with NORMALISE, each row divided by its root mean square. W's tiles are multiplied in x's
-    dtype (a weight stored in it is read as it is)."""
+    """This program's band of the product: x's rows times `BLOCK_N` output features of W over its part of K (the
+    whole of K unless the grid's second axis cuts K into parts), summed in float32; with NORMALISE, each row divided
+    by its root mean square. W's tiles are multiplied in x's dtype (a weight stored in it is read as it is)."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -98,7 +102,9 @@ def band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, 
                           mask=row_mask[:, None] & (parts < num_parts_in)[None, :], other=0.0)
         inverse_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_per_part = tl.cdiv(tl.cdiv(K, tl.num_programs(1)), BLOCK_K) * BLOCK_K  # parts start on a tile's edge
+    k_first = tl.program_id(1) * k_per_part
+    for k0 in range(k_first, tl.minimum(K, k_first + k_per_part), BLOCK_K):
         k_mask = k0 + ks < K
         x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -257,7 +263,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Ski
         return weight if tensor is None else tensor
 
     best, arrived = (argmax.best, argmax.arrived) if argmax is not None else (None, None)
-    (kernel or _skinny_matmul_kernel)[(triton.cdiv(n, config.block_n),)](
+    (kernel or _skinny_matmul_kernel)[config.grid(n)](
         x, weight, given(bias), out, given(squares), given(residual), given(next_norm_weight), given(scaled),
         given(squares_out), given(best), given(arrived), given(tokens),
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0), squares.shape[1] if squares is not None else 0,

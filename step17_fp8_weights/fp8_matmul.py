@@ -11,10 +11,17 @@ sums of squares). Up to `MAX_ROWS` rows: a decode step's batch.
 More rows than that are compute-bound, not read-bound: `scaled_mm_rowwise` gives them to cuBLAS's FP8 multiply
 (`torch._scaled_mm`), each activation row quantized to e4m3 with its own scale first (`fp8.fp8_linear` does both).
 
+A weight with few bands leaves multiprocessors with one program or none, and one program alone does not keep enough
+loads in flight. There K is cut into parts (`Fp8Config.split_k`, a second grid axis): each program sums its band
+over its part, and the last part of a band to finish adds up the parts, in order, and ends the band.
+
 On a machine without a GPU, set TRITON_INTERPRET=1 to run it on CPU tensors (the tests do).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -28,36 +35,79 @@ from step13_fused_decode.skinny_matmul import SkinnyConfig, band_product, device
 MAX_ROWS = 16
 
 
-def fp8_config(block_m: int, x_element_size: int, device: torch.device) -> SkinnyConfig:
-    """Launch settings: bands of 32 features, 512 of K per iteration, 3 stages. The fastest, or within a few
-    percent of it, of a grid of 36 for each of Qwen2.5-7B's four projections at 1 and 8 rows on an H100
-    (bench_fp8_matmul.py). Stages are dropped where the x tile (`block_m` rows in x's dtype) and the weight tile
-    would not fit a device's shared memory."""
+@dataclass(frozen=True)
+class Fp8Config(SkinnyConfig):
+    """Step 13's launch settings, and K cut into `split_k` parts: a program per band and part of K."""
+
+    split_k: int = 1
+
+    def grid(self, n: int) -> tuple[int, ...]:
+        return (triton.cdiv(n, self.block_n), self.split_k)
+
+
+@cache  # one set per shape and settings, shared by every launch of them (one at a time, on one stream)
+def split_sums(n: int, config: Fp8Config, device: torch.device) -> dict[str, torch.Tensor]:
+    """Where the parts of K meet, as the kernel's arguments: each part's float32 sums [split_k, MAX_ROWS, n], and
+    per band the count of parts done. The last part of a band to count in adds the parts up and resets the count,
+    so the buffers are made once and kept (a captured CUDA graph holds their addresses), as step 13's
+    `ArgmaxState` is."""
+    return {"PARTS": torch.empty((config.split_k, MAX_ROWS, n), dtype=torch.float32, device=device),
+            "PARTS_ARRIVED": torch.zeros(config.grid(n)[0], dtype=torch.int32, device=device)}
+
+
+def fp8_config(block_m: int, x_element_size: int, device: torch.device, n: int, k: int) -> Fp8Config:
+    """Launch settings for a weight [n, k]: bands of 32 features, 512 of K per iteration, 3 stages (the fastest, or
+    within a few percent of it, of a grid of 36 for each of Qwen2.5-7B's four projections at 1 and 8 rows on an
+    H100: bench_fp8_matmul.py). Stages are dropped where the x tile (`block_m` rows in x's dtype) and the weight tile
+    would not fit a device's shared memory.
+
+    A weight with few bands (Qwen2.5-7B's q/k/v, o and down: 144, 112 and 112 bands of 32) gave every
+    multiprocessor at most one program, and streamed at 31% to 56% of the copy bandwidth where gate/up's 1,184
+    bands reached 74%: K is then cut into parts, so that about two programs run on each multiprocessor."""
     block_n, block_k, stages = 32, 512, 3
-    shared_memory = device_limits(device).get("shared_memory", 227 * 1024)  # an H100's, in the interpreter
+    limits = device_limits(device)
+    shared_memory = limits.get("shared_memory", 227 * 1024)  # an H100's, in the interpreter
     while stages * (block_m * x_element_size + block_n) * block_k > shared_memory and stages > 1:
         stages -= 1
-    return SkinnyConfig(block_n, block_k, 4, stages)
+    bands = triton.cdiv(n, block_n)
+    split_k = max(1, min(round(2 * limits.get("multiprocessors", 132) / bands), k // (2 * block_k)))
+    return Fp8Config(block_n, block_k, 4, stages, split_k)
 
 
 @triton.jit
 def fp8_skinny_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED,
-                      TOKENS, M, N, K, stride_xm, stride_wn, stride_om, num_parts_in, eps, SCALE,
-                      HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr,
+                      TOKENS, M, N, K, stride_xm, stride_wn, stride_om, num_parts_in, eps, SCALE, PARTS,
+                      PARTS_ARRIVED, HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr,
                       ADD_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, IEEE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Step 13's skinny kernel over e4m3 values W and their row scales SCALE [N] (float32)."""
+    """Step 13's skinny kernel over e4m3 values W and their row scales SCALE [N] (float32); on a grid whose second
+    axis cuts K into parts, the last part of each band to finish adds up the parts' sums (PARTS) first."""
     wait_for_previous_kernel(PDL)
     acc = band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps, NORMALISE, PARTS_IN, IEEE,
                        BLOCK_M, BLOCK_N, BLOCK_K)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc *= tl.load(SCALE + cols, mask=cols < N, other=0.0)[None, :]  # once per output feature, after the sum
-    finish_band(acc, BIAS, OUT, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED, TOKENS, M, N, stride_om,
-                HAS_BIAS, ADD_RESIDUAL, ARGMAX, BLOCK_M, BLOCK_N)
+    band = tl.program_id(0)
+    cols = band * BLOCK_N + tl.arange(0, BLOCK_N)
+    last = tl.program_id(1) == tl.num_programs(1) - 1  # true of the only part, when K is not cut
+    if tl.num_programs(1) > 1:
+        rows = tl.arange(0, BLOCK_M)
+        sums = PARTS + rows[:, None] * N + cols[None, :]  # this band in part 0's sums; part p's lie p * BLOCK_M * N on
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        tl.store(sums + tl.program_id(1) * BLOCK_M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's stores are made before the count says they are
+        last = tl.atomic_add(PARTS_ARRIVED + band, 1) == tl.num_programs(1) - 1  # acquire and release
+        if last:  # the parts added in order, whichever finished last: the same sums every time
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for part in range(tl.num_programs(1)):
+                acc += tl.load(sums + part * BLOCK_M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(PARTS_ARRIVED + band, 0)  # for the next launch, or the next replay of a graph
+    if last:
+        acc *= tl.load(SCALE + cols, mask=cols < N, other=0.0)[None, :]  # once per output feature, after the sum
+        finish_band(acc, BIAS, OUT, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED, TOKENS, M, N,
+                    stride_om, HAS_BIAS, ADD_RESIDUAL, ARGMAX, BLOCK_M, BLOCK_N)
 
 
 def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-               config: SkinnyConfig | None = None) -> torch.Tensor:
+               config: Fp8Config | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) times the FP8 weight (`values` [N, K] e4m3, `scale` [N] float32): [M, N] in x's dtype.
     `config`: launch settings (default: `fp8_config`'s)."""
     m, k = x.shape
@@ -66,8 +116,9 @@ def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias:
     x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))  # as `launch` tiles the rows
-    config = config or fp8_config(block_m, x.element_size(), x.device)
-    launch(x, values, out, config, pdl=False, bias=bias, kernel=fp8_skinny_kernel, max_rows=MAX_ROWS, SCALE=scale)
+    config = config or fp8_config(block_m, x.element_size(), x.device, n, k)
+    launch(x, values, out, config, pdl=False, bias=bias, kernel=fp8_skinny_kernel, max_rows=MAX_ROWS, SCALE=scale,
+           **split_sums(n, config, x.device))
     return out
 
 

@@ -193,8 +193,10 @@ def test_the_kernel_masks_as_the_pytorch_ops_do() -> None:
     logits = buffer[:5]
     bitmask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), generator=generator, dtype=torch.int32)
     rows = torch.tensor([4, 0, 2])
-    expected = apply_token_bitmask(logits, bitmask, rows)
-    assert torch.equal(masked_logits(logits, bitmask, rows), expected)
+    expected = apply_token_bitmask(logits, bitmask, rows)  # on the CPU: the PyTorch ops
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = masked_logits(logits.to(device), bitmask.to(device), rows.to(device)).cpu()
+    assert torch.equal(got, expected)
     assert torch.equal(expected[[1, 3]], logits[[1, 3]])  # rows without a grammar as they were
     assert expected[4].isinf().sum() == (~allowed_tokens(bitmask[:1], vocab)).sum()  # row 4 took the mask's row 0
 

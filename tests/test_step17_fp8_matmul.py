@@ -3,11 +3,14 @@ count a decode step takes and on each tiny model's shapes. Without a GPU, in Tri
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from step17_fp8_weights.fp8 import quantize
-from step17_fp8_weights.fp8_matmul import MAX_ROWS, fp8_matmul
+from step13_fused_decode.skinny_matmul import skinny_linear, skinny_linear_add
+from step17_fp8_weights.fp8 import Fp8Weight, quantize
+from step17_fp8_weights.fp8_matmul import MAX_ROWS, Fp8Config, fp8_matmul, fp8_skinny_kernel, split_sums
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -32,3 +35,41 @@ def test_it_equals_the_dequantized_weights_product_to_float32s_rounding() -> Non
     weight, x = quantize(torch.randn(64, 128, generator=generator)), torch.randn(8, 128, generator=generator)
     got = fp8_matmul(x.to(DEVICE), weight.values.to(DEVICE), weight.scale.to(DEVICE)).cpu()
     assert torch.allclose(got, torch.nn.functional.linear(x, weight.dequantize()), rtol=1e-5, atol=1e-5)
+
+
+UNCUT = Fp8Config(block_n=32, block_k=16, num_warps=4, num_stages=1, split_k=1)
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+def test_k_cut_into_parts_gives_the_uncut_product(split_k: int) -> None:
+    """A grid whose second axis cuts K into parts (K of 72 in tiles of 16: parts of 48 + 24, or 32 + 32 + 8, and with
+    four parts one empty) gives the uncut product; for a second x too, as the last part of each band resets its
+    count for the next launch."""
+    generator = torch.Generator().manual_seed(split_k)
+    weight, b = quantize(torch.randn(100, 72, generator=generator)), torch.randn(100, generator=generator)
+    for x in torch.randn(2, 3, 72, generator=generator):
+        args = (x.to(DEVICE), weight.values.to(DEVICE), weight.scale.to(DEVICE), b.to(DEVICE))
+        torch.testing.assert_close(fp8_matmul(*args, config=replace(UNCUT, split_k=split_k)),
+                                   fp8_matmul(*args, config=UNCUT), rtol=1e-5, atol=1e-5)
+
+
+def test_k_cut_into_parts_adds_to_the_stream_and_normalises_as_uncut() -> None:
+    """Step 13's fused ending after the parts are added up: o's output added to the residual stream with the next
+    norm's sums of squares, then gate/up's input normalised by them, as with K uncut."""
+    generator = torch.Generator().manual_seed(0)
+    o, gate_up = quantize(torch.randn(64, 96, generator=generator)), quantize(torch.randn(80, 64, generator=generator))
+    x, residual, norm_weight = torch.randn(2, 96), torch.randn(2, 64), torch.rand(64) + 0.5
+    results = []
+    for config in (UNCUT, replace(UNCUT, split_k=3)):
+        def fp8(weight: Fp8Weight, n: int) -> dict:
+            return {"kernel": fp8_skinny_kernel, "SCALE": weight.scale.to(DEVICE),
+                    **split_sums(n, config, torch.device(DEVICE))}  # noqa: B023 (used within the iteration)
+
+        stream, scaled, squares = skinny_linear_add(x.to(DEVICE), o.values.to(DEVICE), residual.to(DEVICE),
+                                                    norm_weight.to(DEVICE), config, **fp8(o, 64))
+        out = skinny_linear(scaled, gate_up.values.to(DEVICE), None, config, squares=squares, eps=1e-6,
+                            **fp8(gate_up, 80))
+        results.append((stream, out))
+    for uncut, cut in zip(*results, strict=True):
+        torch.testing.assert_close(cut, uncut, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0][0].cpu(), residual + x @ o.dequantize().T, rtol=1e-5, atol=1e-5)
