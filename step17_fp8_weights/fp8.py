@@ -87,8 +87,8 @@ def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias:
         if rows.shape[0] <= fp8_matmul.MAX_ROWS:
             return fp8_matmul.fp8_matmul(rows, values, scale, bias).reshape(*x.shape[:-1], -1)
         if fp8_matmul.scaled_mm_fits(rows, values):
-            quantized = quantize(rows)
-            out = fp8_matmul.scaled_mm_rowwise(quantized.values, quantized.scale, values, scale, bias, x.dtype)
+            x_values, x_scale = fp8_matmul.quantize_rows(rows)
+            out = fp8_matmul.scaled_mm_rowwise(x_values, x_scale, values, scale, bias, x.dtype)
             return out.reshape(*x.shape[:-1], -1)
     return widened_linear(x, values, scale, bias)
 

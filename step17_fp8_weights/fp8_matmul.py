@@ -9,7 +9,8 @@ the rest of step 13's ending (`finish_band`: the bias, and in the fused decode t
 sums of squares). Up to `MAX_ROWS` rows: a decode step's batch.
 
 More rows than that are compute-bound, not read-bound: `scaled_mm_rowwise` gives them to cuBLAS's FP8 multiply
-(`torch._scaled_mm`), each activation row quantized to e4m3 with its own scale first (`fp8.fp8_linear` does both).
+(`torch._scaled_mm`), each activation row quantized to e4m3 with its own scale first, in one launch (`quantize_rows`;
+`fp8.fp8_linear` chooses).
 
 A weight with few bands leaves multiprocessors with one program or none, and one program alone does not keep enough
 loads in flight. There K is cut into parts (`Fp8Config.split_k`, a second grid axis): each program sums its band
@@ -120,6 +121,38 @@ def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias:
     launch(x, values, out, config, pdl=False, bias=bias, kernel=fp8_skinny_kernel, max_rows=MAX_ROWS, SCALE=scale,
            **split_sums(n, config, x.device))
     return out
+
+
+@triton.jit
+def quantize_rows_kernel(X, VALUES, SCALE, K, stride_x, max_value, smallest_scale, BLOCK: tl.constexpr):
+    """One row of x to e4m3 with its own scale: its largest magnitude over `max_value` (448), as `fp8.quantize`
+    scales a weight's row. Two passes over the row (the second mostly from the L2): the largest, then the values."""
+    row = tl.program_id(0)
+    x_row = X + row * stride_x
+    largest = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        ks = k0 + tl.arange(0, BLOCK)
+        largest = tl.maximum(largest, tl.abs(tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.max(largest, axis=0) / max_value, smallest_scale)  # an all-zero row keeps a scale > 0
+    for k0 in range(0, K, BLOCK):
+        ks = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        scaled = tl.minimum(tl.maximum(x / scale, -max_value), max_value)
+        tl.store(VALUES + row * K + ks, scaled.to(VALUES.dtype.element_ty), mask=ks < K)
+    tl.store(SCALE + row, scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (rows contiguous) to e4m3 values [M, K] and a float32 scale per row [M], in one launch, as `fp8.quantize`
+    computes them in five: what cuBLAS's row-wise FP8 multiply takes for x."""
+    assert x.stride(-1) == 1
+    m, k = x.shape
+    values = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    max_value = torch.finfo(torch.float8_e4m3fn).max
+    quantize_rows_kernel[(m,)](x, values, scale, k, x.stride(0), max_value, torch.finfo(torch.float32).tiny,
+                               BLOCK=min(4096, triton.next_power_of_2(k)))
+    return values, scale
 
 
 def scaled_mm_fits(x: torch.Tensor, values: torch.Tensor) -> bool:

@@ -10,7 +10,8 @@ import torch
 
 from step13_fused_decode.skinny_matmul import skinny_linear, skinny_linear_add
 from step17_fp8_weights.fp8 import Fp8Weight, quantize
-from step17_fp8_weights.fp8_matmul import MAX_ROWS, Fp8Config, fp8_matmul, fp8_skinny_kernel, split_sums
+from step17_fp8_weights.fp8_matmul import (MAX_ROWS, Fp8Config, fp8_matmul, fp8_skinny_kernel, quantize_rows,
+                                           split_sums)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,3 +74,16 @@ def test_k_cut_into_parts_adds_to_the_stream_and_normalises_as_uncut() -> None:
     for uncut, cut in zip(*results, strict=True):
         torch.testing.assert_close(cut, uncut, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[0][0].cpu(), residual + x @ o.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter rounds float32 to e4m3 without "
+                    "carrying into the exponent (7.95 becomes 4.0): the kernel's cast is checked on a GPU")
+@pytest.mark.parametrize("k", [72, 5000])  # 5,000: two blocks of the kernel's 4,096, the second ragged
+def test_rows_quantized_in_one_launch_as_a_weights_rows_are(k: int) -> None:
+    """What cuBLAS's row-wise FP8 multiply is given for x past our kernel's rows: each row's e4m3 values and scale, as
+    `quantize` makes a weight's; an all-zero row keeps a scale above zero."""
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)) * torch.tensor([[1.0], [1e-3], [0.0]])
+    values, scale = quantize_rows(x.to(DEVICE))
+    expected = quantize(x)
+    torch.testing.assert_close(scale.cpu(), expected.scale, rtol=0, atol=0)
+    assert torch.equal(values.cpu().float(), expected.values.float())

@@ -25,7 +25,8 @@ from common.timing import copy_bandwidth_gbs, timed_ms
 from step13_fused_decode.bench.matmul_bench import (L2_MULTIPLE, parse_gpu_bench_args, projection_shapes,
                                                    shape_bench_parser)
 from step17_fp8_weights.fp8 import E4M3, E4M3_MAX, quantize
-from step17_fp8_weights.fp8_matmul import MAX_ROWS, Fp8Config, fp8_config, fp8_matmul, scaled_mm_rowwise
+from step17_fp8_weights.fp8_matmul import (MAX_ROWS, Fp8Config, fp8_config, fp8_matmul, quantize_rows,
+                                           scaled_mm_rowwise)
 
 # 8 warps never won at 1 or 8 rows on the H100 (results/gpu/fp8-matmul.json); parts of K are what is new.
 GRID = [Fp8Config(n, k, 4, s, split) for n, k, s, split in itertools.product((16, 32, 64), (256, 512, 1024), (3, 5),
@@ -41,8 +42,7 @@ def scaled_mm_per_tensor(x: torch.Tensor, values: torch.Tensor, weight_scale: to
 
 def scaled_mm_per_row(x: torch.Tensor, values: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """cuBLAS's FP8 multiply with a scale per row of x and per row of the weight, as `fp8_linear` calls it."""
-    rows = quantize(x)
-    return scaled_mm_rowwise(rows.values, rows.scale, values, weight_scale, None, x.dtype)
+    return scaled_mm_rowwise(*quantize_rows(x), values, weight_scale, None, x.dtype)
 
 
 def point(name: str, us: float, weight_bytes: int, bandwidth_gbs: float, **extra: object) -> dict:
