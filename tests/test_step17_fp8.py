@@ -140,12 +140,23 @@ def test_the_twins_state_is_the_dequantized_model_hf_runs_as_the_reference(tiny:
         reference_greedy(hf_model_for(dequantized(tiny)), prompt, 12, tiny.tokenizer.eos_token_ids)
 
 
+def cut_every_pack_in_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make each FP8 pack cut K into two parts: `fp8_config` never cuts a tiny model's short K."""
+    from step17_fp8_weights import fused_path
+
+    settings = fused_path.fp8_config
+    monkeypatch.setattr(fused_path, "fp8_config", lambda *args: replace(settings(*args), block_k=16, split_k=2))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (none here)")
-@pytest.mark.parametrize("fused_ops", [False, True])
+@pytest.mark.parametrize("fused_ops, split", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
-def test_captured_graphs_with_fp8_weights_match_step06_on_cuda(model: str, fused_ops: bool) -> None:
-    """Step 12's test with FP8 projections (our kernel, and on the fused path step 13's packs of them), against
-    step 06 and HF over the same FP8 weights."""
+def test_captured_graphs_with_fp8_weights_match_step06_on_cuda(model: str, fused_ops: bool, split: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 12's test with FP8 projections (our kernel, and on the fused path step 13's packs of them, with K whole
+    and cut in two), against step 06 and HF over the same FP8 weights."""
+    if split:
+        cut_every_pack_in_two(monkeypatch)
     def make_engine(loaded: LoadedModel, num_blocks: int) -> Fp8WeightsEngine:
         return Fp8WeightsEngine(loaded, Fp8WeightsEngineConfig(
             device="cuda", block_size=16, num_blocks=num_blocks, attn="triton", max_graph_batch=8, fused_ops=fused_ops,
@@ -156,10 +167,16 @@ def test_captured_graphs_with_fp8_weights_match_step06_on_cuda(model: str, fused
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter is off on a GPU machine: "
                     "test_captured_graphs_with_fp8_weights_match_step06_on_cuda runs the packs there")
-def test_packed_fp8_projections_give_each_layers_output(tiny: LoadedModel) -> None:
-    """Step 13's packs over FP8 projections (`fused_path.Fp8PackedLinear`): q/k/v through the skinny FP8 kernel,
-    each part equal to its own `Fp8Linear`; o added to the residual stream as step 13 adds it; the head as it was."""
+@pytest.mark.parametrize("split", [False, True])
+def test_packed_fp8_projections_give_each_layers_output(tiny: LoadedModel, split: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 13's packs over FP8 projections (`fused_path.Fp8PackedLinear`): q/k/v through the skinny FP8 kernel (K
+    whole, and cut in two), each part equal to its own `Fp8Linear`; o added to the residual stream as step 13 adds
+    it; the head as it was."""
     from step17_fp8_weights.fused_path import Fp8Projections
+
+    if split:
+        cut_every_pack_in_two(monkeypatch)
 
     model = fp8_twin(tiny.model)
     attention = model.model.layers[0].self_attn
@@ -174,6 +191,7 @@ def test_packed_fp8_projections_give_each_layers_output(tiny: LoadedModel) -> No
     prepared = packed[attention.o_proj,].add(o_input, residual)
     torch.testing.assert_close(prepared.stream, residual + attention.o_proj(o_input), atol=1e-5, rtol=1e-5)
     assert packed[model.lm_head,].kernel_args == {} and packed[qkv].kernel_args["SCALE"].dtype == torch.float32
+    assert packed[qkv].skinny.split_k == (2 if split else 1)
 
 
 @pytest.mark.embedded
