@@ -35,7 +35,7 @@ from step11_speculative_decoding.request import SpeculativeRequest
 from step12_cuda_graph.decode_graphs import PendingTokens
 from step14_overlap_scheduling.engine import LaunchAheadBatch, LaunchedDecode, PendingLogprobs
 from step15_batch_invariant.engine import BatchInvariantEngine, BatchInvariantEngineConfig
-from step16_structured_output.bitmask import apply_token_bitmask
+from step16_structured_output.bitmask import BITS, apply_token_bitmask
 from step16_structured_output.grammar import GrammarCompiler, GrammarError, GrammarMatcher
 
 
@@ -112,6 +112,11 @@ class StructuredOutputEngine(BatchInvariantEngine):
         # The masks of the step launched ahead, being filled while the host turns this step's tokens into text.
         self.filling: tuple[list[ConstrainedRequest], Future[torch.Tensor]] | None = None
         self.fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        if self.device.type == "cuda":  # compile the masks' kernel now, not while the first constrained request waits
+            vocab = self.model.config.vocab_size
+            apply_token_bitmask(torch.zeros(1, vocab, device=self.device),
+                                torch.full((1, -(-vocab // BITS)), -1, dtype=torch.int32, device=self.device),
+                                torch.zeros(1, dtype=torch.int64, device=self.device))
 
     def check_request(self, request: Request) -> None:
         super().check_request(request)
