@@ -87,10 +87,11 @@ LOWEST_INT64 = tl.constexpr(-2**63)
 @triton.jit
 def band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps,
                  NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr, IEEE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's band of the product: x's rows times `BLOCK_N` output features of W over its part of K (the
-    whole of K unless the grid's second axis cuts K into parts), summed in float32; with NORMALISE, each row divided
-    by its root mean square. W's tiles are multiplied in x's dtype (a weight stored in it is read as it is)."""
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_OF_K: tl.constexpr):
+    """This program's band of the product: x's rows times `BLOCK_N` output features of W over the whole of K (or,
+    with K cut into PARTS_OF_K along the grid's second axis, over this program's part), summed in float32; with
+    NORMALISE, each row divided by its root mean square. W's tiles are multiplied in x's dtype (a weight stored in
+    it is read as it is)."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -102,9 +103,12 @@ def band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, 
                           mask=row_mask[:, None] & (parts < num_parts_in)[None, :], other=0.0)
         inverse_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_per_part = tl.cdiv(tl.cdiv(K, tl.num_programs(1)), BLOCK_K) * BLOCK_K  # parts start on a tile's edge
-    k_first = tl.program_id(1) * k_per_part
-    for k0 in range(k_first, tl.minimum(K, k_first + k_per_part), BLOCK_K):
+    k_first, k_end = 0, K
+    if PARTS_OF_K > 1:
+        k_per_part = tl.cdiv(tl.cdiv(K, PARTS_OF_K), BLOCK_K) * BLOCK_K  # parts start on a tile's edge
+        k_first = tl.program_id(1) * k_per_part
+        k_end = tl.minimum(K, k_first + k_per_part)
+    for k0 in range(k_first, k_end, BLOCK_K):
         k_mask = k0 + ks < K
         x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -176,7 +180,7 @@ def _skinny_matmul_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SC
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
     acc = band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps, NORMALISE, PARTS_IN, IEEE,
-                       BLOCK_M, BLOCK_N, BLOCK_K)
+                       BLOCK_M, BLOCK_N, BLOCK_K, 1)
     finish_band(acc, BIAS, OUT, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED, TOKENS, M, N, stride_om,
                 HAS_BIAS, ADD_RESIDUAL, ARGMAX, BLOCK_M, BLOCK_N)
 

@@ -47,12 +47,13 @@ class Fp8Config(SkinnyConfig):
 
 
 @cache  # one set per shape and settings, shared by every launch of them (one at a time, on one stream)
-def split_sums(n: int, config: Fp8Config, device: torch.device) -> dict[str, torch.Tensor]:
-    """Where the parts of K meet, as the kernel's arguments: each part's float32 sums [split_k, MAX_ROWS, n], and
-    per band the count of parts done. The last part of a band to count in adds the parts up and resets the count,
-    so the buffers are made once and kept (a captured CUDA graph holds their addresses), as step 13's
-    `ArgmaxState` is."""
-    return {"PARTS": torch.empty((config.split_k, MAX_ROWS, n), dtype=torch.float32, device=device),
+def split_sums(n: int, config: Fp8Config, device: torch.device) -> dict[str, torch.Tensor | int]:
+    """Where the parts of K meet, as the kernel's arguments: how many parts, each part's float32 sums
+    [split_k, MAX_ROWS, n], and per band the count of parts done. The last part of a band to count in adds the
+    parts up and resets the count, so the buffers are made once and kept (a captured CUDA graph holds their
+    addresses), as step 13's `ArgmaxState` is."""
+    return {"PARTS_OF_K": config.split_k,
+            "PARTS": torch.empty((config.split_k, MAX_ROWS, n), dtype=torch.float32, device=device),
             "PARTS_ARRIVED": torch.zeros(config.grid(n)[0], dtype=torch.int32, device=device)}
 
 
@@ -80,25 +81,26 @@ def fp8_skinny_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED
                       TOKENS, M, N, K, stride_xm, stride_wn, stride_om, num_parts_in, eps, SCALE, PARTS,
                       PARTS_ARRIVED, HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr,
                       ADD_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, IEEE: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                      PARTS_OF_K: tl.constexpr):
     """Step 13's skinny kernel over e4m3 values W and their row scales SCALE [N] (float32); on a grid whose second
-    axis cuts K into parts, the last part of each band to finish adds up the parts' sums (PARTS) first."""
+    axis cuts K into PARTS_OF_K parts, the last part of each band to finish adds up the parts' sums (PARTS) first."""
     wait_for_previous_kernel(PDL)
     acc = band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps, NORMALISE, PARTS_IN, IEEE,
-                       BLOCK_M, BLOCK_N, BLOCK_K)
+                       BLOCK_M, BLOCK_N, BLOCK_K, PARTS_OF_K)
     band = tl.program_id(0)
     cols = band * BLOCK_N + tl.arange(0, BLOCK_N)
-    last = tl.program_id(1) == tl.num_programs(1) - 1  # true of the only part, when K is not cut
-    if tl.num_programs(1) > 1:
+    last = True
+    if PARTS_OF_K > 1:
         rows = tl.arange(0, BLOCK_M)
         sums = PARTS + rows[:, None] * N + cols[None, :]  # this band in part 0's sums; part p's lie p * BLOCK_M * N on
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         tl.store(sums + tl.program_id(1) * BLOCK_M * N, acc, mask=mask)
         tl.debug_barrier()  # every thread's stores are made before the count says they are
-        last = tl.atomic_add(PARTS_ARRIVED + band, 1) == tl.num_programs(1) - 1  # acquire and release
+        last = tl.atomic_add(PARTS_ARRIVED + band, 1) == PARTS_OF_K - 1  # acquire and release
         if last:  # the parts added in order, whichever finished last: the same sums every time
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for part in range(tl.num_programs(1)):
+            for part in range(PARTS_OF_K):
                 acc += tl.load(sums + part * BLOCK_M * N, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(PARTS_ARRIVED + band, 0)  # for the next launch, or the next replay of a graph
     if last:
@@ -143,8 +145,8 @@ def quantize_rows_kernel(X, VALUES, SCALE, K, stride_x, max_value, smallest_scal
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (rows contiguous) to e4m3 values [M, K] and a float32 scale per row [M], in one launch, as `fp8.quantize`
-    computes them in five: what cuBLAS's row-wise FP8 multiply takes for x."""
+    """x [M, K] (rows contiguous) to e4m3 values [M, K] and a float32 scale per row [M], in one launch, as
+    `fp8.quantize` computes them in five: what cuBLAS's row-wise FP8 multiply takes for x."""
     assert x.stride(-1) == 1
     m, k = x.shape
     values = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
