@@ -65,14 +65,17 @@ def fp8_config(block_m: int, x_element_size: int, device: torch.device, n: int, 
 
     A weight with few bands (Qwen2.5-7B's q/k/v, o and down: 144, 112 and 112 bands of 32) gave every
     multiprocessor at most one program, and streamed at 31% to 56% of the copy bandwidth where gate/up's 1,184
-    bands reached 74%: K is then cut into parts, so that about two programs run on each multiprocessor."""
+    bands reached 74%. K is then cut into as many parts as still let every program run at once: a second wave
+    would take as long as the first. On an H100 two programs fit a multiprocessor's shared memory, so 264 run at
+    once: o and down are cut in two (224 programs), q/k/v is not (288 would be two waves)."""
     block_n, block_k, stages = 32, 512, 3
     limits = device_limits(device)
     shared_memory = limits.get("shared_memory", 227 * 1024)  # an H100's, in the interpreter
-    while stages * (block_m * x_element_size + block_n) * block_k > shared_memory and stages > 1:
+    program_memory = (block_m * x_element_size + block_n) * block_k  # an x tile and a weight tile, per stage
+    while stages * program_memory > shared_memory and stages > 1:
         stages -= 1
-    bands = triton.cdiv(n, block_n)
-    split_k = max(1, min(round(2 * limits.get("multiprocessors", 132) / bands), k // (2 * block_k)))
+    at_once = limits.get("multiprocessors", 132) * max(1, shared_memory // (stages * program_memory))
+    split_k = max(1, min(at_once // triton.cdiv(n, block_n), k // (2 * block_k)))  # parts of 2 iterations or more
     return Fp8Config(block_n, block_k, 4, stages, split_k)
 
 
