@@ -57,6 +57,7 @@ def split_sums(n: int, config: Fp8Config, device: torch.device) -> dict[str, tor
             "PARTS_ARRIVED": torch.zeros(config.grid(n)[0], dtype=torch.int32, device=device)}
 
 
+@cache  # asked per multiply where no pack holds the settings: worked out once per shape
 def fp8_config(block_m: int, x_element_size: int, device: torch.device, n: int, k: int) -> Fp8Config:
     """Launch settings for a weight [n, k]: bands of 32 features, 512 of K per iteration, 3 stages (the fastest, or
     within a few percent of it, of a grid of 36 for each of Qwen2.5-7B's four projections at 1 and 8 rows on an
