@@ -56,8 +56,10 @@ def grammar_text(structured: StructuredOutput) -> str:
 
 
 class GrammarCompiler:
-    """The tokenizer as llguidance walks it (built once: about a second), and each format's grammar, cached by the
-    format's text, so that a schema every request of an application sends is compiled once."""
+    """The tokenizer as llguidance walks it (built once: about a second), and each format's grammar, compiled once
+    and cached by the format's text as a matcher that has read nothing: a request's matcher is a copy of it (about a
+    microsecond, against 0.2 to 0.5 ms to build one from the grammar's text, paid by every request of the batch
+    being admitted)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         # The model's vocabulary may be wider than the tokenizer's (Qwen2.5-7B: 152,064 rows, 151,665 tokens): the
@@ -67,11 +69,14 @@ class GrammarCompiler:
         named = sorted(t for t in tokenizer.eos_token_ids if t < len(tokenizer.hf))
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=named or None)
         self.vocab_size = vocab_size
-        self.grammar = lru_cache(maxsize=256)(grammar_text)
+        self.unread = lru_cache(maxsize=256)(self.compile)  # never handed out: only its copies read tokens
         self.threads = llguidance.LLExecutor()  # most of the host's cores (llguidance's default)
 
+    def compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self.tokenizer, grammar_text(structured))
+
     def matcher(self, structured: StructuredOutput) -> GrammarMatcher:
-        return GrammarMatcher(llguidance.LLMatcher(self.tokenizer, self.grammar(structured)))
+        return GrammarMatcher(self.unread(structured).deep_copy())
 
     def bitmask(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
         """Each matcher's allowed next tokens, one row each: [len(matchers), words] int32, on the host (in pinned
