@@ -139,11 +139,13 @@ def quantize_rows_kernel(X, VALUES, SCALE, K, stride_x, max_value, smallest_scal
     for k0 in range(0, K, BLOCK):
         ks = k0 + tl.arange(0, BLOCK)
         largest = tl.maximum(largest, tl.abs(tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)))
-    scale = tl.maximum(tl.max(largest, axis=0) / max_value, smallest_scale)  # an all-zero row keeps a scale > 0
+    # divisions rounded as IEEE's (div_rn; Triton's `/` is approximate in float32): the scale and the values `quantize`
+    # computes, to the bit
+    scale = tl.maximum(tl.div_rn(tl.max(largest, axis=0), max_value), smallest_scale)  # all-zero rows keep a scale > 0
     for k0 in range(0, K, BLOCK):
         ks = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-        scaled = tl.minimum(tl.maximum(x / scale, -max_value), max_value)
+        scaled = tl.minimum(tl.maximum(tl.div_rn(x, scale), -max_value), max_value)
         tl.store(VALUES + row * K + ks, scaled.to(VALUES.dtype.element_ty), mask=ks < K)
     tl.store(SCALE + row, scale)
 
