@@ -119,8 +119,8 @@ FIGURES = [
          **d["shapes"]["gate_up"][0]["results"][3]))),
     ("grammar-decode", "results/cpu/grammar.json", lambda d: (
         1, "half constrained tok/s", f"{d['decode'][1]['every other request constrained']['tok_per_s']:,.1f}")),
-    ("open-loop", f"{GPU}/open-loop-step15.json",
-     lambda d: (3, "goodput req/s", f"{d['runs'][3]['goodput_req_per_s']:.2f} ({d['runs'][3]['goodput_share']:.0%})")),
+    ("open-loop", f"{GPU}/open-loop-step16.json",
+     lambda d: (2, "goodput req/s", f"{d['runs'][2]['goodput_req_per_s']:.2f} ({d['runs'][2]['goodput_share']:.0%})")),
     ("burst-serve", f"{GPU}/burst-serve.json",
      lambda d: (1, "TTFT median", f"{d['runs'][1]['ttft_ms_p50'] / 1e3:.1f} s")),
     ("prefix", f"{GPU}/prefix-step10.json", prefix_computed),
