@@ -172,6 +172,21 @@ def test_a_random_model_whose_config_names_an_end_its_tokenizer_lacks() -> None:
     assert engine.grammars.bitmask([engine.grammars.matcher(StructuredOutput("json_object"))]).shape == (1, 49_280 // 32)
 
 
+def test_each_request_reads_its_own_copy_of_the_compiled_format() -> None:
+    """A format is compiled once, into a matcher that is never handed out; each request gets a copy, so one that has
+    read a token leaves the next request's copy, and the kept one, at the start."""
+    tokenizer = embedded_tokenizer()
+    compiler = GrammarCompiler(tokenizer, len(tokenizer.hf))
+    answer = StructuredOutput("choice", json.dumps(["yes", "no"]))
+    first = compiler.matcher(answer)
+    at_start = compiler.bitmask([first])
+    first.advance(int(allowed_tokens(at_start, compiler.vocab_size)[0].nonzero()[0]))
+    assert not torch.equal(compiler.bitmask([first]), at_start)
+    second = compiler.matcher(answer)
+    assert torch.equal(compiler.bitmask([second]), at_start)
+    assert second.matcher is not compiler.unread(answer) and compiler.unread.cache_info().currsize >= 1
+
+
 def test_the_mask_unpacks_bit_j_of_word_w_to_token_32w_plus_j() -> None:
     bitmask = torch.tensor([[0b1011, -2**31], [0, 1]], dtype=torch.int32)  # -2**31: bit 31 alone
     allowed = allowed_tokens(bitmask, 64)
