@@ -38,21 +38,23 @@ MAX_ROWS = 16
 
 @dataclass(frozen=True)
 class Fp8Config(SkinnyConfig):
-    """Step 13's launch settings, and K cut into `split_k` parts: a program per band and part of K."""
+    """Step 13's launch settings; K cut into `split_k` parts (a program per band and part of K); with
+    `weight_first`, the tiles multiplied as W x^T (`band_product`)."""
 
     split_k: int = 1
+    weight_first: bool = False
 
     def grid(self, n: int) -> tuple[int, ...]:
         return (triton.cdiv(n, self.block_n), self.split_k)
 
 
 @cache  # one set per shape and settings, shared by every launch of them (one at a time, on one stream)
-def split_sums(n: int, config: Fp8Config, device: torch.device) -> dict[str, torch.Tensor | int]:
-    """Where the parts of K meet, as the kernel's arguments: how many parts, each part's float32 sums
-    [split_k, MAX_ROWS, n], and per band the count of parts done. The last part of a band to count in adds the
-    parts up and resets the count, so the buffers are made once and kept (a captured CUDA graph holds their
-    addresses), as step 13's `ArgmaxState` is."""
-    return {"PARTS_OF_K": config.split_k,
+def launch_args(n: int, config: Fp8Config, device: torch.device) -> dict[str, torch.Tensor | int | bool]:
+    """The kernel's arguments that follow from its settings: the product's order, how many parts of K, where they
+    meet (each part's float32 sums [split_k, MAX_ROWS, n]) and per band the count of parts done. The last part of a
+    band to count in adds the parts up and resets the count, so the buffers are made once and kept (a captured CUDA
+    graph holds their addresses), as step 13's `ArgmaxState` is."""
+    return {"PARTS_OF_K": config.split_k, "WEIGHT_FIRST": config.weight_first,
             "PARTS": torch.empty((config.split_k, MAX_ROWS, n), dtype=torch.float32, device=device),
             "PARTS_ARRIVED": torch.zeros(config.grid(n)[0], dtype=torch.int32, device=device)}
 
@@ -86,12 +88,13 @@ def fp8_skinny_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED
                       PARTS_ARRIVED, HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr,
                       ADD_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, IEEE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                      PARTS_OF_K: tl.constexpr):
+                      PARTS_OF_K: tl.constexpr, WEIGHT_FIRST: tl.constexpr):
     """Step 13's skinny kernel over e4m3 values W and their row scales SCALE [N] (float32); on a grid whose second
-    axis cuts K into PARTS_OF_K parts, the last part of each band to finish adds up the parts' sums (PARTS) first."""
+    axis cuts K into PARTS_OF_K parts, the last part of each band to finish adds up the parts' sums (PARTS) first.
+    WEIGHT_FIRST: the tiles multiplied as W x^T (`band_product`)."""
     wait_for_previous_kernel(PDL)
     acc = band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps, NORMALISE, PARTS_IN, IEEE,
-                       BLOCK_M, BLOCK_N, BLOCK_K, PARTS_OF_K)
+                       BLOCK_M, BLOCK_N, BLOCK_K, PARTS_OF_K, WEIGHT_FIRST)
     band = tl.program_id(0)
     cols = band * BLOCK_N + tl.arange(0, BLOCK_N)
     last = True
@@ -125,7 +128,7 @@ def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias:
     block_m = max(16, triton.next_power_of_2(m))  # as `launch` tiles the rows
     config = config or fp8_config(block_m, x.element_size(), x.device, n, k)
     launch(x, values, out, config, pdl=False, bias=bias, kernel=fp8_skinny_kernel, max_rows=MAX_ROWS, SCALE=scale,
-           **split_sums(n, config, x.device))
+           **launch_args(n, config, x.device))
     return out
 
 

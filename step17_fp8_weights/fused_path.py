@@ -19,7 +19,7 @@ from step13_fused_decode.engine import FusedDecodeGraphs
 from step13_fused_decode.packed_projections import PackedLinear, PackedProjections, stack_in_place
 from step13_fused_decode.skinny_matmul import MAX_ROWS
 from step17_fp8_weights.fp8 import Fp8Linear, fp8_linear
-from step17_fp8_weights.fp8_matmul import fp8_config, fp8_skinny_kernel, split_sums
+from step17_fp8_weights.fp8_matmul import fp8_config, fp8_skinny_kernel, launch_args
 
 
 class Fp8PackedLinear(PackedLinear):
@@ -39,7 +39,7 @@ class Fp8PackedLinear(PackedLinear):
         if skinny:  # the settings for FP8 weights (`fp8_config`), for step 13's tile in the model's dtype
             element_size = torch.empty(0, dtype=linears[0].dtype).element_size()
             self.skinny = fp8_config(MAX_ROWS, element_size, self.weight.device, *self.weight.shape)
-            self.kernel_args |= split_sums(self.weight.shape[0], self.skinny, self.weight.device)
+            self.kernel_args |= launch_args(self.weight.shape[0], self.skinny, self.weight.device)
 
     def multiply(self, x: torch.Tensor) -> torch.Tensor:
         if not self.kernel_args:

@@ -10,8 +10,8 @@ import torch
 
 from step13_fused_decode.skinny_matmul import skinny_linear, skinny_linear_add
 from step17_fp8_weights.fp8 import Fp8Weight, quantize
-from step17_fp8_weights.fp8_matmul import (MAX_ROWS, Fp8Config, fp8_matmul, fp8_skinny_kernel, quantize_rows,
-                                           split_sums)
+from step17_fp8_weights.fp8_matmul import (MAX_ROWS, Fp8Config, fp8_matmul, fp8_skinny_kernel, launch_args,
+                                           quantize_rows)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -41,30 +41,32 @@ def test_it_equals_the_dequantized_weights_product_to_float32s_rounding() -> Non
 UNCUT = Fp8Config(block_n=32, block_k=16, num_warps=4, num_stages=1, split_k=1)
 
 
-@pytest.mark.parametrize("split_k", [2, 3, 4])
-def test_k_cut_into_parts_gives_the_uncut_product(split_k: int) -> None:
+@pytest.mark.parametrize("split_k, weight_first", [(2, False), (3, False), (4, False), (1, True), (3, True)])
+def test_k_cut_into_parts_gives_the_uncut_product(split_k: int, weight_first: bool) -> None:
     """A grid whose second axis cuts K into parts (K of 72 in tiles of 16: parts of 48 + 24, or 32 + 32 + 8, and with
-    four parts one empty) gives the uncut product; for a second x too, as the last part of each band resets its
-    count for the next launch."""
+    four parts one empty) gives the uncut product, with x's tiles or the weight's first in each multiply; for a
+    second x too, as the last part of each band resets its count for the next launch."""
     generator = torch.Generator().manual_seed(split_k)
     weight, b = quantize(torch.randn(100, 72, generator=generator)), torch.randn(100, generator=generator)
     for x in torch.randn(2, 3, 72, generator=generator):
         args = (x.to(DEVICE), weight.values.to(DEVICE), weight.scale.to(DEVICE), b.to(DEVICE))
-        torch.testing.assert_close(fp8_matmul(*args, config=replace(UNCUT, split_k=split_k)),
+        torch.testing.assert_close(fp8_matmul(*args, config=replace(UNCUT, split_k=split_k, weight_first=weight_first)),
                                    fp8_matmul(*args, config=UNCUT), rtol=1e-5, atol=1e-5)
 
 
-def test_k_cut_into_parts_adds_to_the_stream_and_normalises_as_uncut() -> None:
+@pytest.mark.parametrize("weight_first", [False, True])
+def test_k_cut_into_parts_adds_to_the_stream_and_normalises_as_uncut(weight_first: bool) -> None:
     """Step 13's fused ending after the parts are added up: o's output added to the residual stream with the next
-    norm's sums of squares, then gate/up's input normalised by them, as with K uncut."""
+    norm's sums of squares, then gate/up's input normalised by them, as with K uncut (and with the weight's tiles
+    first in each multiply)."""
     generator = torch.Generator().manual_seed(0)
     o, gate_up = quantize(torch.randn(64, 96, generator=generator)), quantize(torch.randn(80, 64, generator=generator))
     x, residual, norm_weight = torch.randn(2, 96), torch.randn(2, 64), torch.rand(64) + 0.5
     results = []
-    for config in (UNCUT, replace(UNCUT, split_k=3)):
+    for config in (UNCUT, replace(UNCUT, split_k=3, weight_first=weight_first)):
         def fp8(weight: Fp8Weight, n: int) -> dict:
             return {"kernel": fp8_skinny_kernel, "SCALE": weight.scale.to(DEVICE),
-                    **split_sums(n, config, torch.device(DEVICE))}  # noqa: B023 (used within the iteration)
+                    **launch_args(n, config, torch.device(DEVICE))}  # noqa: B023 (used within the iteration)
 
         stream, scaled, squares = skinny_linear_add(x.to(DEVICE), o.values.to(DEVICE), residual.to(DEVICE),
                                                     norm_weight.to(DEVICE), config, **fp8(o, 64))

@@ -28,13 +28,15 @@ from step17_fp8_weights.fp8 import E4M3, E4M3_MAX, quantize
 from step17_fp8_weights.fp8_matmul import (MAX_ROWS, Fp8Config, fp8_config, fp8_matmul, quantize_rows,
                                            scaled_mm_rowwise)
 
-# Every warp of a program reads the whole x tile (16 rows, padded) from shared memory for its share of the band's
-# columns; at a byte a weight that is 5 bytes of shared memory read per weight byte with 32 columns and 4 warps
-# (3 in bf16), against 2 to 3 with more columns per warp. So the grid varies columns per warp: bands of 32 to 128
-# with 1 to 4 warps (8 warps never won at 1 or 8 rows on the H100, results/gpu/fp8-matmul.json), and K in parts
-# to keep every multiprocessor busy when bands are few.
-GRID = [Fp8Config(n, k, warps, 3, split) for (n, warps), k, split in itertools.product(
-    ((32, 4), (32, 2), (32, 1), (64, 4), (64, 2), (128, 4), (128, 2)), (256, 512), (1, 2, 4, 8))]
+# With x's tiles first in each multiply, every warp of a program reads the whole x tile (16 rows, padded) from shared
+# memory for its share of the band's columns: at a byte a weight, 5 bytes of shared memory read per weight byte
+# with 32 columns and 4 warps (3 in bf16), 2 to 3 with more columns per warp; with the weight's tiles first (Hopper's
+# wgmma, bands of 64 or more) a group of four warps reads x once (from the PTX compiled for sm_90). So the grid
+# varies columns per warp and the order, with K in parts to keep every multiprocessor busy when bands are few.
+# 8 warps never won at 1 or 8 rows on the H100 (results/gpu/fp8-matmul.json).
+GRID = [Fp8Config(n, k, warps, 3, split, first) for (n, warps, first), k, split in itertools.product(
+    ((32, 4, False), (32, 2, False), (64, 2, False), (128, 4, False), (64, 4, True), (128, 4, True)), (256, 512),
+    (1, 2, 4, 8))]
 
 
 def scaled_mm_per_tensor(x: torch.Tensor, values: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
