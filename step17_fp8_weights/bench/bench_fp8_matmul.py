@@ -29,11 +29,11 @@ from step17_fp8_weights.fp8_matmul import (MAX_ROWS, Fp8Config, fp8_config, fp8_
                                            scaled_mm_rowwise)
 
 # With x's tiles first in each multiply, every warp of a program reads the whole x tile (16 rows, padded) from shared
-# memory for its share of the band's columns: at a byte a weight, 5 bytes of shared memory read per weight byte
-# with 32 columns and 4 warps (3 in bf16), 2 to 3 with more columns per warp; with the weight's tiles first (Hopper's
-# wgmma, bands of 64 or more) a group of four warps reads x once (from the PTX compiled for sm_90). So the grid
-# tries x first with 4 and 2 warps, the weight first in bands of 64 and 128, with K in parts to keep every
-# multiprocessor busy when bands are few. 8 warps never won at 1 or 8 rows on the H100 (results/gpu/fp8-matmul.json).
+# memory for its share of the band's columns; at a byte a weight that is more shared-memory reading per weight byte
+# than in bf16, and fewer warps per band or more columns per warp read less. With the weight's tiles first (on
+# Hopper, wgmma; bands of 64 or more) a group of four warps reads x once. So the grid tries x first with 4 and 2
+# warps and the weight first in bands of 64 and 128, with K in parts to keep every multiprocessor busy when bands are
+# few. 8 warps never won at 1 or 8 rows on the H100 (results/gpu/fp8-matmul.json).
 GRID = [Fp8Config(n, k, warps, 3, split, first) for (n, warps, first), k, split in itertools.product(
     ((32, 4, False), (64, 2, False), (64, 4, True), (128, 4, True)), (256, 512), (1, 2, 4, 8))]
 
