@@ -87,16 +87,11 @@ LOWEST_INT64 = tl.constexpr(-2**63)
 @triton.jit
 def band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps,
                  NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr, IEEE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_OF_K: tl.constexpr,
-                 WEIGHT_FIRST: tl.constexpr = False):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_OF_K: tl.constexpr):
     """This program's band of the product: x's rows times `BLOCK_N` output features of W over the whole of K (or,
     with K cut into PARTS_OF_K along the grid's second axis, over this program's part), summed in float32; with
     NORMALISE, each row divided by its root mean square. W's tiles are multiplied in x's dtype (a weight stored in
-    it is read as it is).
-
-    With WEIGHT_FIRST the tiles are multiplied as W x^T, then turned back. Either way x's tile goes through shared
-    memory; with x first, each warp reads all of it for its share of the band's columns, and with the weight first
-    (a band of 64 or more on Hopper), a group of four warps reads it once."""
+    it is read as it is)."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -108,7 +103,6 @@ def band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, 
                           mask=row_mask[:, None] & (parts < num_parts_in)[None, :], other=0.0)
         inverse_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # the band's sums with WEIGHT_FIRST
     k_first, k_end = 0, K
     if PARTS_OF_K > 1:
         k_per_part = tl.cdiv(tl.cdiv(K, PARTS_OF_K), BLOCK_K) * BLOCK_K  # parts start on a tile's edge
@@ -120,17 +114,10 @@ def band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, 
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(W + cols[:, None] * stride_wn + (k0 + ks)[None, :],
                     mask=col_mask[:, None] & k_mask[None, :], other=0.0).to(x.dtype)
-        if WEIGHT_FIRST:
-            if IEEE:  # float32 models: full-precision products, as cuBLAS gives them (no TF32)
-                acc_t += tl.dot(w, tl.trans(x), input_precision="ieee")
-            else:
-                acc_t += tl.dot(w, tl.trans(x))
-        elif IEEE:
+        if IEEE:  # float32 models: full-precision products, as cuBLAS gives them (no TF32)
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
-    if WEIGHT_FIRST:
-        acc = tl.trans(acc_t)
     if NORMALISE:
         acc *= inverse_rms[:, None]
     return acc

@@ -38,48 +38,60 @@ MAX_ROWS = 16
 
 @dataclass(frozen=True)
 class Fp8Config(SkinnyConfig):
-    """Step 13's launch settings; K cut into `split_k` parts (a program per band and part of K); with
-    `weight_first`, the tiles multiplied as W x^T (`band_product`)."""
+    """Step 13's launch settings; K cut into `split_k` parts (a program per band and part of K)."""
 
     split_k: int = 1
-    weight_first: bool = False
 
     def grid(self, n: int) -> tuple[int, ...]:
         return (triton.cdiv(n, self.block_n), self.split_k)
 
 
 @cache  # one set per shape and settings, shared by every launch of them (one at a time, on one stream)
-def launch_args(n: int, config: Fp8Config, device: torch.device) -> dict[str, torch.Tensor | int | bool]:
-    """The kernel's arguments that follow from its settings: the product's order, how many parts of K, where they
-    meet (each part's float32 sums [split_k, MAX_ROWS, n]) and per band the count of parts done. The last part of a
-    band to count in adds the parts up and resets the count, so the buffers are made once and kept (a captured CUDA
-    graph holds their addresses), as step 13's `ArgmaxState` is."""
-    return {"PARTS_OF_K": config.split_k, "WEIGHT_FIRST": config.weight_first,
+def launch_args(n: int, config: Fp8Config, device: torch.device) -> dict[str, torch.Tensor | int]:
+    """The kernel's arguments that follow from its settings: how many parts of K, where they meet (each part's
+    float32 sums [split_k, MAX_ROWS, n]) and per band the count of parts done. The last part of a band to count in
+    adds the parts up and resets the count, so the buffers are made once and kept (a captured CUDA graph holds their
+    addresses), as step 13's `ArgmaxState` is."""
+    return {"PARTS_OF_K": config.split_k,
             "PARTS": torch.empty((config.split_k, MAX_ROWS, n), dtype=torch.float32, device=device),
             "PARTS_ARRIVED": torch.zeros(config.grid(n)[0], dtype=torch.int32, device=device)}
 
 
 @cache  # asked per multiply where no pack holds the settings: worked out once per shape
 def fp8_config(block_m: int, x_element_size: int, device: torch.device, n: int, k: int) -> Fp8Config:
-    """Launch settings for a weight [n, k]: bands of 32 features, 512 of K per iteration, 3 stages (the fastest, or
-    within a few percent of it, of a grid of 36 for each of Qwen2.5-7B's four projections at 1 and 8 rows on an
-    H100: bench_fp8_matmul.py). Stages are dropped where the x tile (`block_m` rows in x's dtype) and the weight tile
-    would not fit a device's shared memory.
+    """Launch settings for a weight [n, k]: bands of 32 features, 3 stages, and as many programs as a device holds at
+    once: for each of Qwen2.5-7B's four projections at 1 and 8 rows on an H100, the fastest of bench_fp8_matmul.py's
+    grid or within a few percent of it.
 
-    A weight with few bands (Qwen2.5-7B's q/k/v, o and down: 144, 112 and 112 bands of 32) gave every
-    multiprocessor at most one program, and streamed at 31% to 56% of the copy bandwidth where gate/up's 1,184
-    bands reached 74%. K is then cut into as many parts as still let every program run at once: a second wave
-    would take as long as the first. On an H100 two programs fit a multiprocessor's shared memory, so 264 run at
-    once: o and down are cut in two (224 programs), q/k/v is not (288 would be two waves)."""
-    block_n, block_k, stages = 32, 512, 3
+    A program holds its x tile and weight tile in shared memory, one pair per stage. With 256 of K per iteration that
+    is 48 KiB at 16 rows, so four programs share a multiprocessor, 528 on an H100. Gate/up's 1,184 bands fill those
+    alone, and take 512 of K per iteration (fewer, longer loads). The other projections have 112 to 144 bands: K is
+    cut in two until bands times parts fill the device, keeping 4 iterations or more per part (with 3 stages in
+    flight, a shorter part spends most of its time filling the pipeline). Stages are dropped where the tiles (`block_m`
+    rows in x's dtype) would not fit a device's shared memory."""
+    block_n, stages = 32, 3
     limits = device_limits(device)
     shared_memory = limits.get("shared_memory", 227 * 1024)  # an H100's, in the interpreter
-    program_memory = (block_m * x_element_size + block_n) * block_k  # an x tile and a weight tile, per stage
-    while stages * program_memory > shared_memory and stages > 1:
-        stages -= 1
-    at_once = limits.get("multiprocessors", 132) * max(1, shared_memory // (stages * program_memory))
-    split_k = max(1, min(at_once // triton.cdiv(n, block_n), k // (2 * block_k)))  # parts of 2 iterations or more
-    return Fp8Config(block_n, block_k, 4, stages, split_k)
+    multiprocessors = limits.get("multiprocessors", 132)
+    bands = triton.cdiv(n, block_n)
+
+    def fitting(block_k: int) -> tuple[int, int]:
+        """Stages that fit, and how many programs of them run at once."""
+        program_memory = (block_m * x_element_size + block_n) * block_k  # an x tile and a weight tile, per stage
+        fit = stages
+        while fit * program_memory > shared_memory and fit > 1:
+            fit -= 1
+        return fit, multiprocessors * max(1, shared_memory // (fit * program_memory))
+
+    long_stages, long_at_once = fitting(512)
+    if bands >= long_at_once:
+        return Fp8Config(block_n, 512, 4, long_stages, 1)
+    block_k = 256
+    short_stages, at_once = fitting(block_k)
+    split_k = 1
+    while bands * split_k < at_once and 2 * split_k <= triton.cdiv(k, 4 * block_k):
+        split_k *= 2
+    return Fp8Config(block_n, block_k, 4, short_stages, split_k)
 
 
 @triton.jit
@@ -88,13 +100,12 @@ def fp8_skinny_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED
                       PARTS_ARRIVED, HAS_BIAS: tl.constexpr, NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr,
                       ADD_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, IEEE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                      PARTS_OF_K: tl.constexpr, WEIGHT_FIRST: tl.constexpr):
+                      PARTS_OF_K: tl.constexpr):
     """Step 13's skinny kernel over e4m3 values W and their row scales SCALE [N] (float32); on a grid whose second
-    axis cuts K into PARTS_OF_K parts, the last part of each band to finish adds up the parts' sums (PARTS) first.
-    WEIGHT_FIRST: the tiles multiplied as W x^T (`band_product`)."""
+    axis cuts K into PARTS_OF_K parts, the last part of each band to finish adds up the parts' sums (PARTS) first."""
     wait_for_previous_kernel(PDL)
     acc = band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps, NORMALISE, PARTS_IN, IEEE,
-                       BLOCK_M, BLOCK_N, BLOCK_K, PARTS_OF_K, WEIGHT_FIRST)
+                       BLOCK_M, BLOCK_N, BLOCK_K, PARTS_OF_K)
     band = tl.program_id(0)
     cols = band * BLOCK_N + tl.arange(0, BLOCK_N)
     last = True

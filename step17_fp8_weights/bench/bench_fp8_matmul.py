@@ -28,14 +28,11 @@ from step17_fp8_weights.fp8 import E4M3, E4M3_MAX, quantize
 from step17_fp8_weights.fp8_matmul import (MAX_ROWS, Fp8Config, fp8_config, fp8_matmul, quantize_rows,
                                            scaled_mm_rowwise)
 
-# With x's tiles first in each multiply, every warp of a program reads the whole x tile (16 rows, padded) from shared
-# memory for its share of the band's columns; at a byte a weight that is more shared-memory reading per weight byte
-# than in bf16, and fewer warps per band or more columns per warp read less. With the weight's tiles first (on
-# Hopper, wgmma; bands of 64 or more) a group of four warps reads x once. So the grid tries x first with 4 and 2
-# warps and the weight first in bands of 64 and 128, with K in parts to keep every multiprocessor busy when bands are
-# few. 8 warps never won at 1 or 8 rows on the H100 (results/gpu/fp8-matmul.json).
-GRID = [Fp8Config(n, k, warps, 3, split, first) for (n, warps, first), k, split in itertools.product(
-    ((32, 4, False), (64, 2, False), (64, 4, True), (128, 4, True)), (256, 512), (1, 2, 4, 8))]
+# Bands of 32 with 4 warps and of 64 with 2 (fewer warps each reading the x tile from shared memory), 256 or 512 of K
+# per iteration, K in 1 to 8 parts. 8 warps never won at 1 or 8 rows on the H100, nor did the weight's tiles first
+# in the multiply (W x^T, wgmma on Hopper; results/gpu/fp8-matmul-orders.json).
+GRID = [Fp8Config(n, k, warps, 3, split) for (n, warps), k, split in itertools.product(
+    ((32, 4), (64, 2)), (256, 512), (1, 2, 4, 8))]
 
 
 def scaled_mm_per_tensor(x: torch.Tensor, values: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
