@@ -108,7 +108,8 @@ class GrammarCompiler:
         started.wait()  # blocking hands the lock to the thread, which keeps it only until llguidance's threads start
         return future
 
-    def empty_bitmask(self, matchers: list[GrammarMatcher]) -> tuple[torch.Tensor, list[tuple[llguidance.LLMatcher, int]]]:
+    def empty_bitmask(self, matchers: list[GrammarMatcher]
+                      ) -> tuple[torch.Tensor, list[tuple[llguidance.LLMatcher, int]]]:
         """A bitmask of every bit set, a row per matcher, and each matcher with its row: what a fill takes."""
         bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
         return bitmask, [(matcher.matcher, row) for row, matcher in enumerate(matchers)]
