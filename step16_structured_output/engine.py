@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
@@ -111,6 +111,7 @@ class StructuredOutputEngine(BatchInvariantEngine):
         self.grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
         # The masks of the step launched ahead, being filled while the host turns this step's tokens into text.
         self.filling: tuple[list[ConstrainedRequest], Future[torch.Tensor]] | None = None
+        self.fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
         if self.device.type == "cuda":  # compile the masks' kernel now, not while the first constrained request waits
             vocab = self.model.config.vocab_size
             apply_token_bitmask(torch.zeros(1, vocab, device=self.device),
@@ -179,7 +180,7 @@ class StructuredOutputEngine(BatchInvariantEngine):
         requests = [r for r in self.ahead.requests
                     if r.matcher is not None and r.token_read is not None and not r.complete_after_read]
         if requests:
-            self.filling = requests, self.grammars.bitmask_soon([r.matcher for r in requests])
+            self.filling = requests, self.fill_thread.submit(self.grammars.bitmask, [r.matcher for r in requests])
 
     # ----- speculative decoding under a grammar --------------------------------------------------------------
 

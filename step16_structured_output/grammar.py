@@ -14,8 +14,6 @@ a mask in tens of microseconds for most steps (measured in this step's lesson).
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 
 import llguidance
@@ -73,7 +71,6 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.unread = lru_cache(maxsize=256)(self.compile)  # never handed out: only its copies read tokens
         self.threads = llguidance.LLExecutor()  # most of the host's cores (llguidance's default)
-        self.starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")  # for `bitmask_soon`
 
     def compile(self, structured: StructuredOutput) -> llguidance.LLMatcher:
         """The format's grammar as a matcher at its start (raises GrammarError as `grammar_text` does)."""
@@ -86,33 +83,10 @@ class GrammarCompiler:
         """Each matcher's allowed next tokens, one row each: [len(matchers), words] int32, on the host (in pinned
         memory where there is a GPU). The rows are filled by llguidance's threads, outside Python's lock: a mask
         where most of the vocabulary is allowed (free text in a JSON string) walks the whole tokenizer trie."""
-        bitmask, rows = self.empty_bitmask(matchers)
+        bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
+        rows = [(matcher.matcher, row) for row, matcher in enumerate(matchers)]
         llguidance.torch.fill_next_token_bitmask_par(self.threads, rows, bitmask)
         return bitmask
-
-    def bitmask_soon(self, matchers: list[GrammarMatcher]) -> Future[torch.Tensor]:
-        """`bitmask`, filled while the caller goes on with its Python. A Python thread handed the whole fill would
-        wait for Python's lock until the caller blocked (or for the interpreter's switch interval, 5 ms), and fill
-        nothing meanwhile. So the caller does the Python part, then waits here until that thread has started
-        llguidance's threads, which need no lock: from then on the two run side by side. The matchers must not be
-        touched until the result is in."""
-        bitmask, rows = self.empty_bitmask(matchers)
-        started = threading.Event()
-
-        def fill() -> torch.Tensor:
-            started.set()
-            llguidance.torch.fill_next_token_bitmask_par(self.threads, rows, bitmask)
-            return bitmask
-
-        future = self.starter.submit(fill)
-        started.wait()  # blocking hands the lock to the thread, which keeps it only until llguidance's threads start
-        return future
-
-    def empty_bitmask(self, matchers: list[GrammarMatcher]
-                      ) -> tuple[torch.Tensor, list[tuple[llguidance.LLMatcher, int]]]:
-        """A bitmask of every bit set, a row per matcher, and each matcher with its row: what a fill takes."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.vocab_size)
-        return bitmask, [(matcher.matcher, row) for row, matcher in enumerate(matchers)]
 
     def bitmasks_along(self, matcher: GrammarMatcher, tokens: list[int]) -> torch.Tensor:
         """The masks before each of `tokens` and after the last ([len(tokens) + 1, words]): what a verification
