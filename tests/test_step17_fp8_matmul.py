@@ -10,8 +10,8 @@ import torch
 
 from step13_fused_decode.skinny_matmul import skinny_linear, skinny_linear_add
 from step17_fp8_weights.fp8 import Fp8Weight, quantize
-from step17_fp8_weights.fp8_matmul import (MAX_ROWS, Fp8Config, fp8_matmul, fp8_skinny_kernel, launch_args,
-                                           quantize_rows)
+from step17_fp8_weights.fp8_matmul import (MAX_ROWS, Fp8Config, fp8_config, fp8_matmul, fp8_skinny_kernel,
+                                           launch_args, quantize_rows)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -39,6 +39,20 @@ def test_it_equals_the_dequantized_weights_product_to_float32s_rounding() -> Non
 
 
 UNCUT = Fp8Config(block_n=32, block_k=16, num_warps=4, num_stages=1, split_k=1)
+
+
+@pytest.mark.parametrize("n, k, block_k, split_k", [
+    (4608, 3584, 256, 4),    # q/k/v: 144 bands x 4 parts = 576, at least the 528 programs an H100 holds at once
+    (3584, 3584, 256, 4),    # o: 112 bands would want 8 parts, but 3,584 of K in parts of 4 iterations allows 4
+    (3584, 18944, 256, 8),   # down: 112 bands x 8 parts = 896
+    (37888, 3584, 512, 1),   # gate/up: 1,184 bands fill the device uncut, at 512 of K an iteration
+    (64, 72, 256, 1),        # a tiny model's K: too short to cut
+])
+def test_fp8_config_cuts_k_until_the_programs_fill_the_device(n: int, k: int, block_k: int, split_k: int) -> None:
+    """Qwen2.5-7B's four projections at a decode tile of 16 bf16 rows, planned for an H100 (the interpreter's
+    defaults: 132 multiprocessors, 227 KiB of shared memory each): the settings step 17's lesson works out."""
+    config = fp8_config(MAX_ROWS, 2, torch.device("cpu"), n, k)
+    assert (config.block_n, config.block_k, config.num_stages, config.split_k) == (32, block_k, 3, split_k)
 
 
 @pytest.mark.parametrize("split_k", [2, 3, 4])
