@@ -85,30 +85,28 @@ LOWEST_INT64 = tl.constexpr(-2**63)
 
 
 @triton.jit
-def band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps,
-                 NORMALISE: tl.constexpr, PARTS_IN: tl.constexpr, IEEE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PARTS_OF_K: tl.constexpr):
-    """This program's band of the product: x's rows times `BLOCK_N` output features of W over the whole of K (or,
-    with K cut into PARTS_OF_K along the grid's second axis, over this program's part), summed in float32; with
-    NORMALISE, each row divided by its root mean square. W's tiles are multiplied in x's dtype (a weight stored in
-    it is read as it is)."""
+def row_inverse_rms(SQUARES_IN, M, K, num_parts_in, eps, PARTS_IN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each row's 1 / root mean square over its K values, from the sums of squares in the parts that the kernel
+    that wrote x left ([M, num_parts_in])."""
+    rows = tl.arange(0, BLOCK_M)
+    parts = tl.arange(0, PARTS_IN)
+    squares = tl.load(SQUARES_IN + rows[:, None] * num_parts_in + parts[None, :],
+                      mask=(rows < M)[:, None] & (parts < num_parts_in)[None, :], other=0.0)
+    return tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+
+
+@triton.jit
+def band_product(X, W, M, N, K, stride_xm, stride_wn, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's band of the product: x's rows times `BLOCK_N` output features of W over the whole of K, summed
+    in float32. W's tiles are multiplied in x's dtype (a weight stored in it is read as it is)."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_mask = rows < M
     col_mask = cols < N
-    if NORMALISE:  # each row's sum of squares, in the parts the kernel that wrote x left; used after the loop
-        parts = tl.arange(0, PARTS_IN)
-        squares = tl.load(SQUARES_IN + rows[:, None] * num_parts_in + parts[None, :],
-                          mask=row_mask[:, None] & (parts < num_parts_in)[None, :], other=0.0)
-        inverse_rms = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_first, k_end = 0, K
-    if PARTS_OF_K > 1:
-        k_per_part = tl.cdiv(tl.cdiv(K, PARTS_OF_K), BLOCK_K) * BLOCK_K  # parts start on a tile's edge
-        k_first = tl.program_id(1) * k_per_part
-        k_end = tl.minimum(K, k_first + k_per_part)
-    for k0 in range(k_first, k_end, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k_mask = k0 + ks < K
         x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :],
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -118,8 +116,6 @@ def band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, 
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
-    if NORMALISE:
-        acc *= inverse_rms[:, None]
     return acc
 
 
@@ -179,8 +175,11 @@ def _skinny_matmul_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SC
                           ADD_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, IEEE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous_kernel(PDL)
-    acc = band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps, NORMALISE, PARTS_IN, IEEE,
-                       BLOCK_M, BLOCK_N, BLOCK_K, 1)
+    if NORMALISE:  # x is the residual stream scaled by the norm's weight: each output row is divided by its RMS
+        inverse_rms = row_inverse_rms(SQUARES_IN, M, K, num_parts_in, eps, PARTS_IN, BLOCK_M)
+    acc = band_product(X, W, M, N, K, stride_xm, stride_wn, IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+    if NORMALISE:
+        acc *= inverse_rms[:, None]
     finish_band(acc, BIAS, OUT, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED, TOKENS, M, N, stride_om,
                 HAS_BIAS, ADD_RESIDUAL, ARGMAX, BLOCK_M, BLOCK_N)
 
@@ -252,14 +251,14 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Ski
             residual: torch.Tensor | None = None, next_norm_weight: torch.Tensor | None = None,
             scaled: torch.Tensor | None = None, squares_out: torch.Tensor | None = None,
             argmax: ArgmaxState | None = None, tokens: torch.Tensor | None = None,
-            kernel: triton.JITFunction | None = None, max_rows: int = MAX_ROWS, **kernel_args: torch.Tensor) -> None:
-    """One launch of the kernel (or of `kernel`, given `kernel_args` besides) on up to `max_rows` rows, each switch
+            kernel: triton.JITFunction | None = None, **kernel_args: torch.Tensor) -> None:
+    """One launch of the kernel (or of `kernel`, given `kernel_args` besides) on up to `MAX_ROWS` rows, each switch
     on where its tensors are given (bias; squares: NORMALISE; residual, next_norm_weight, scaled, squares_out:
     ADD_RESIDUAL; argmax, tokens: ARGMAX). A switch that is off never reads its pointers, so any tensor stands in
     for them."""
     rows, k = x.shape
     n = weight.shape[0]
-    _check(x, weight, max_rows)
+    _check(x, weight)
     if squares is not None and (squares.shape[0] != rows or not squares.is_contiguous()):
         raise ValueError(f"squares must be [{rows}, parts] and contiguous, got {tuple(squares.shape)}")
 
@@ -279,8 +278,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: Ski
     )
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> None:
-    if x.shape[0] > max_rows:
-        raise ValueError(f"skinny_linear takes at most {max_rows} rows, got {x.shape[0]}: use F.linear")
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"skinny_linear takes at most {MAX_ROWS} rows, got {x.shape[0]}: use F.linear")
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("skinny_linear needs x's rows and the weight contiguous")

@@ -29,11 +29,10 @@ import triton
 import triton.language as tl
 
 from step13_fused_decode.dependent_launch import wait_for_previous_kernel
-from step13_fused_decode.skinny_matmul import SkinnyConfig, band_product, device_limits, finish_band, launch
-
-# The most rows our kernel takes: step 13's tile, a decode step's batch. At 64 rows it was slower than bf16 on every
-# projection of Qwen2.5-7B (results/gpu/fp8-matmul.json); past 16 rows the multiply goes to `scaled_mm_rowwise`.
-MAX_ROWS = 16
+# MAX_ROWS: the most rows our kernel takes, step 13's tile (a decode step's batch); past it the multiply goes to
+# `scaled_mm_rowwise`, which at 64 rows is faster than our kernel on every projection of Qwen2.5-7B.
+from step13_fused_decode.skinny_matmul import (MAX_ROWS, SkinnyConfig, band_product, device_limits, finish_band,
+                                               launch, row_inverse_rms)
 
 
 @dataclass(frozen=True)
@@ -104,8 +103,13 @@ def fp8_skinny_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED
     """Step 13's skinny kernel over e4m3 values W and their row scales SCALE [N] (float32); on a grid whose second
     axis cuts K into PARTS_OF_K parts, the last part of each band to finish adds up the parts' sums (PARTS) first."""
     wait_for_previous_kernel(PDL)
-    acc = band_product(X, W, SQUARES_IN, M, N, K, stride_xm, stride_wn, num_parts_in, eps, NORMALISE, PARTS_IN, IEEE,
-                       BLOCK_M, BLOCK_N, BLOCK_K, PARTS_OF_K)
+    if NORMALISE:
+        inverse_rms = row_inverse_rms(SQUARES_IN, M, K, num_parts_in, eps, PARTS_IN, BLOCK_M)
+    # This program's part of K (all of it when PARTS_OF_K is 1); the parts start on a tile's edge.
+    k_per_part = tl.cdiv(tl.cdiv(K, PARTS_OF_K), BLOCK_K) * BLOCK_K
+    k_first = tl.program_id(1) * k_per_part
+    acc = band_product(X + k_first, W + k_first, M, N, tl.minimum(k_per_part, K - k_first), stride_xm, stride_wn, IEEE,
+                       BLOCK_M, BLOCK_N, BLOCK_K)
     band = tl.program_id(0)
     cols = band * BLOCK_N + tl.arange(0, BLOCK_N)
     last = True
@@ -122,6 +126,8 @@ def fp8_skinny_kernel(X, W, BIAS, OUT, SQUARES_IN, RESIDUAL, NEXT_NORM_W, SCALED
                 acc += tl.load(sums + part * BLOCK_M * N, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(PARTS_ARRIVED + band, 0)  # for the next launch, or the next replay of a graph
     if last:
+        if NORMALISE:
+            acc *= inverse_rms[:, None]
         acc *= tl.load(SCALE + cols, mask=cols < N, other=0.0)[None, :]  # once per output feature, after the sum
         finish_band(acc, BIAS, OUT, RESIDUAL, NEXT_NORM_W, SCALED, SQUARES_OUT, BEST, ARRIVED, TOKENS, M, N,
                     stride_om, HAS_BIAS, ADD_RESIDUAL, ARGMAX, BLOCK_M, BLOCK_N)
@@ -138,7 +144,7 @@ def fp8_matmul(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias:
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))  # as `launch` tiles the rows
     config = config or fp8_config(block_m, x.element_size(), x.device, n, k)
-    launch(x, values, out, config, pdl=False, bias=bias, kernel=fp8_skinny_kernel, max_rows=MAX_ROWS, SCALE=scale,
+    launch(x, values, out, config, pdl=False, bias=bias, kernel=fp8_skinny_kernel, SCALE=scale,
            **launch_args(n, config, x.device))
     return out
 
