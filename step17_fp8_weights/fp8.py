@@ -55,7 +55,9 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, weight: Fp8Weight, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.register_buffer("values", weight.values)
+        # The values are a parameter that never trains: step 09 counts a layer's multiply-adds from its parameters
+        # (a GPU step's token budget), and FP8 changes a weight's bytes, not its multiply-adds.
+        self.values = nn.Parameter(weight.values, requires_grad=False)
         self.register_buffer("scale", weight.scale)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_features, self.in_features = weight.values.shape

@@ -14,6 +14,7 @@ from common.prompts import PARITY_PROMPTS
 from common.reference import hf_model_for, reference_greedy
 from common.sampling import SamplingParams
 from step06_paged_attention.engine import PagedAttentionEngine, PagedAttentionEngineConfig
+from step09_chunked_prefill.engine import layer_flops_per_token
 from step17_fp8_weights.engine import Fp8WeightsEngine, Fp8WeightsEngineConfig
 from step17_fp8_weights import fp8
 from step17_fp8_weights.fp8 import E4M3_MAX, PROJECTIONS, Fp8Linear, fp8_twin, quantize_projections, weight_bytes
@@ -114,6 +115,12 @@ def test_the_twin_leaves_the_loaded_model_as_it_was_and_holds_half_the_projectio
     # Each projection's float32 weight (4 bytes a value) becomes a byte a value and a float32 scale a row.
     weights = [layer.get_submodule(p).weight for layer in tiny.model.model.layers for p in PROJECTIONS]
     assert weight_bytes(tiny.model) - weight_bytes(twin) == sum(w.nbytes - w.numel() - 4 * w.shape[0] for w in weights)
+
+
+def test_the_twin_keeps_the_loaded_models_multiply_adds_per_token(tiny: LoadedModel) -> None:
+    """Step 09 sizes a GPU step's token budget by a layer's multiply-adds, counted from its parameters: FP8 changes a
+    weight's bytes, not its multiply-adds, so the FP8 engine gets the budget the loaded model gets."""
+    assert layer_flops_per_token(fp8_twin(tiny.model)) == layer_flops_per_token(tiny.model)
 
 
 def test_an_unknown_quantization_is_refused(tiny: LoadedModel) -> None:
