@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from common.loading import LoadedModel
 from step16_structured_output.engine import StructuredOutputEngine, StructuredOutputEngineConfig
-from step17_fp8_weights.fp8 import fp8_twin, weight_bytes
+from step17_fp8_weights.fp8 import fp8_twin, projection_bytes, weight_bytes
 from step17_fp8_weights.run import QUANTIZATIONS  # one list, where the command line reads it without torch
 
 
@@ -31,6 +31,7 @@ class Fp8WeightsEngine(StructuredOutputEngine):
         if config.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"--quantization {config.quantization}: the choices are {', '.join(QUANTIZATIONS)}")
         self.loaded_weight_bytes = weight_bytes(loaded.model)
+        self.loaded_projection_bytes = projection_bytes(loaded.model)
         if config.quantization == "fp8":
             if config.batch_invariant:
                 raise ValueError("--batch-invariant multiplies through its own kernels, which read higher-precision "
@@ -49,6 +50,10 @@ class Fp8WeightsEngine(StructuredOutputEngine):
         return Fp8DecodeGraphs
 
     def memory_report(self) -> str:
-        held = weight_bytes(self.model)
+        """Step 16's, and the weights held against the loaded model's: all of them, and the projections alone (what
+        FP8 quantizes; the embedding, norms and head keep their dtype)."""
+        held, projections = weight_bytes(self.model), projection_bytes(self.model)
         return (f"{super().memory_report()}\nweights: {held / 2**20:,.0f} MiB ({held / self.loaded_weight_bytes:.2f}x "
-                f"of the loaded model's {self.loaded_weight_bytes / 2**20:,.0f} MiB)")
+                f"of the loaded model's {self.loaded_weight_bytes / 2**20:,.0f} MiB); their projections "
+                f"{projections / 2**20:,.0f} MiB ({projections / self.loaded_projection_bytes:.2f}x of "
+                f"{self.loaded_projection_bytes / 2**20:,.0f} MiB)")

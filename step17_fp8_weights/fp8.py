@@ -133,3 +133,14 @@ def fp8_twin(model: CausalLM, per_row: bool = True) -> CausalLM:
 def weight_bytes(model: CausalLM) -> int:
     """The bytes of the model's weights: its parameters and buffers (the FP8 values and scales among them)."""
     return sum(t.nbytes for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+
+
+def projection_bytes(model: CausalLM) -> int:
+    """The bytes of the decoder layers' projections, which FP8 quantizes: their weights, or their FP8 values and
+    scales (biases aside)."""
+    total = 0
+    for layer in model.model.layers:
+        for path in PROJECTIONS:
+            linear = layer.get_submodule(path)
+            total += linear.values.nbytes + linear.scale.nbytes if isinstance(linear, Fp8Linear) else linear.weight.nbytes
+    return total

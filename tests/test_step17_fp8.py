@@ -123,6 +123,14 @@ def test_the_twin_keeps_the_loaded_models_multiply_adds_per_token(tiny: LoadedMo
     assert layer_flops_per_token(fp8_twin(tiny.model)) == layer_flops_per_token(tiny.model)
 
 
+def test_the_memory_report_gives_the_projections_bytes_against_the_loaded_models(tiny: LoadedModel) -> None:
+    engine = Fp8WeightsEngine(tiny, Fp8WeightsEngineConfig(device="cpu", num_blocks=16, quantization="fp8"))
+    # Each float32 weight (4 bytes a value) is held as a byte a value and a float32 scale a row.
+    weights = [layer.get_submodule(p).weight for layer in tiny.model.model.layers for p in PROJECTIONS]
+    ratio = sum(w.numel() + 4 * w.shape[0] for w in weights) / sum(w.nbytes for w in weights)
+    assert f"their projections 0 MiB ({ratio:.2f}x of " in engine.memory_report()
+
+
 def test_an_unknown_quantization_is_refused(tiny: LoadedModel) -> None:
     with pytest.raises(ValueError, match="the choices are fp8"):
         Fp8WeightsEngine(tiny, Fp8WeightsEngineConfig(device="cpu", num_blocks=16, quantization="int4"))
