@@ -142,5 +142,8 @@ def projection_bytes(model: CausalLM) -> int:
     for layer in model.model.layers:
         for path in PROJECTIONS:
             linear = layer.get_submodule(path)
-            total += linear.values.nbytes + linear.scale.nbytes if isinstance(linear, Fp8Linear) else linear.weight.nbytes
+            if isinstance(linear, Fp8Linear):
+                total += linear.values.nbytes + linear.scale.nbytes
+            else:
+                total += linear.weight.nbytes
     return total
