@@ -135,15 +135,22 @@ def weight_bytes(model: CausalLM) -> int:
     return sum(t.nbytes for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
 
 
-def projection_bytes(model: CausalLM) -> int:
+def projection_bytes(model: CausalLM, as_loaded: bool = False) -> int:
     """The bytes of the decoder layers' projections, which FP8 quantizes: their weights, or their FP8 values and
-    scales (biases aside)."""
+    scales (biases aside). `as_loaded`: the bytes they held before quantizing, in the dtype they were loaded in."""
     total = 0
     for layer in model.model.layers:
         for path in PROJECTIONS:
             linear = layer.get_submodule(path)
-            if isinstance(linear, Fp8Linear):
-                total += linear.values.nbytes + linear.scale.nbytes
-            else:
+            if not isinstance(linear, Fp8Linear):
                 total += linear.weight.nbytes
+            elif as_loaded:
+                total += linear.values.numel() * linear.dtype.itemsize
+            else:
+                total += linear.values.nbytes + linear.scale.nbytes
     return total
+
+
+def holds_fp8(model: CausalLM) -> bool:
+    """Whether the model's projections are FP8 already (quantized in place, or a twin)."""
+    return isinstance(model.model.layers[0].get_submodule(PROJECTIONS[0]), Fp8Linear)

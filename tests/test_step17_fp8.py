@@ -4,6 +4,8 @@ are FP8 giving, token for token, what HF gives with the dequantized weights."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -129,6 +131,45 @@ def test_the_memory_report_gives_the_projections_bytes_against_the_loaded_models
     weights = [layer.get_submodule(p).weight for layer in tiny.model.model.layers for p in PROJECTIONS]
     ratio = sum(w.numel() + 4 * w.shape[0] for w in weights) / sum(w.nbytes for w in weights)
     assert f"their projections 0 MiB ({ratio:.2f}x of " in engine.memory_report()
+
+
+def test_a_model_loaded_for_fp8_frees_its_projections_before_the_kv_pool_is_sized(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KV pool is sized from the memory left once the engine holds its weights: the projections the model was
+    loaded with must be gone by then, or the pool loses what FP8 saved."""
+    from step17_fp8_weights import engine as step17_engine
+
+    loaded_projections: list[weakref.ref] = []
+
+    def spied_load(*args: object) -> LoadedModel:
+        loaded = load_model(*args)
+        loaded_projections.extend(weakref.ref(layer.get_submodule(p).weight)
+                                  for layer in loaded.model.model.layers for p in PROJECTIONS)
+        return loaded
+
+    alive_when_sized: list[int] = []
+
+    def spied_budget(engine: Fp8WeightsEngine, config: Fp8WeightsEngineConfig) -> int:
+        gc.collect()
+        alive_when_sized.append(sum(ref() is not None for ref in loaded_projections))
+        return 16
+
+    monkeypatch.setattr(step17_engine, "load_model", spied_load)
+    monkeypatch.setattr(Fp8WeightsEngine, "blocks_in_budget", spied_budget)
+    engine = Fp8WeightsEngine.from_config(Fp8WeightsEngineConfig(model="tiny-qwen2", device="cpu",
+                                                                 quantization="fp8"))
+    assert loaded_projections and alive_when_sized == [0]
+    assert isinstance(engine.model.model.layers[0].mlp.down_proj, Fp8Linear)
+    # The report's "as loaded" figures come from the FP8 layers themselves (their dtype), the model having no other.
+    weights = [layer.get_submodule(p).values for layer in engine.model.model.layers for p in PROJECTIONS]
+    ratio = sum(w.numel() + 4 * w.shape[0] for w in weights) / sum(4 * w.numel() for w in weights)
+    assert f"their projections 0 MiB ({ratio:.2f}x of " in engine.memory_report()
+
+
+def test_a_model_already_fp8_needs_the_flag(tiny: LoadedModel) -> None:
+    with pytest.raises(ValueError, match="pass --quantization fp8"):
+        Fp8WeightsEngine(replace(tiny, model=fp8_twin(tiny.model)), Fp8WeightsEngineConfig(device="cpu",
+                                                                                           num_blocks=16))
 
 
 def test_an_unknown_quantization_is_refused(tiny: LoadedModel) -> None:

@@ -1,7 +1,8 @@
-"""FP8 weights against the same engine as loaded (bf16 on a GPU), in one process over one loaded model.
+"""FP8 weights against the same engine as loaded (bf16 on a GPU), in one process.
 
-For each quantization (none, then fp8) step 17's engine is built with its defaults (on a GPU: CUDA graphs, and
-with the weights as loaded step 13's fused decode) and times each workload: `--batches` requests of 32 prompt
+For each quantization (none, then fp8) step 17's engine is built as the command line builds it, loading the model
+for itself (so with FP8 its KV pool gets the memory the quantized projections gave back), with its defaults (on a
+GPU: CUDA graphs and step 13's fused decode), and times each workload: `--batches` requests of 32 prompt
 tokens and 128 new tokens each, and with `--nanovllm` the 256-sequence workload (lengths uniform in [100, 1024]).
 Each figure is the median of `--repeats` runs after a warm-up; fp8 is reported as a ratio of none. Also written:
 the engines' memory reports (the weights held), the weight bytes a decode step reads and the device's copy
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ import torch
 from common.bench import (Workload, default_output, evidence_header, fixed_workload, nanovllm_workload, run_engine,
                           write_json)
 from common.cli import CommandLineError, Parser, at_least, check_args, fail, parse_sizes
-from common.loading import EMBEDDED_MODEL, LoadedModel, load_model
+from common.loading import EMBEDDED_MODEL
 from common.sampling import SamplingParams
 from common.timing import memory_bandwidth_gbs
 from step17_fp8_weights.engine import Fp8WeightsEngine, Fp8WeightsEngineConfig
@@ -36,12 +38,11 @@ STEP = "step17_fp8_weights"
 MODES = {"as loaded": None, "fp8": "fp8"}
 
 
-def make_engine(loaded: LoadedModel, quantization: str | None, max_num_seqs: int) -> Fp8WeightsEngine:
-    gc.collect()  # the last engine's pool and graphs go back before this one sizes its own
-    if loaded.model.device.type == "cuda":
+def make_engine(config: Fp8WeightsEngineConfig) -> Fp8WeightsEngine:
+    gc.collect()  # the last engine's model, pool and graphs go back before this one loads and sizes its own
+    if config.resolved_device().type == "cuda":
         torch.cuda.empty_cache()
-    return Fp8WeightsEngine(loaded, Fp8WeightsEngineConfig(
-        model=loaded.name, device=str(loaded.model.device), quantization=quantization, max_num_seqs=max_num_seqs))
+    return Fp8WeightsEngine.from_config(config)
 
 
 def step_read_bytes(model: torch.nn.Module) -> int:
@@ -81,21 +82,19 @@ def main() -> int:
             raise CommandLineError("nothing to time: give --batches or --nanovllm")
     except CommandLineError as err:
         return fail(err)
-    config = Fp8WeightsEngineConfig(model=args.model, device=args.device, dtype=args.dtype)
-    loaded = load_model(args.model, config.resolved_device(), config.resolved_dtype(), config.seed)
-    device = loaded.model.device
     workloads = [fixed_workload(b, 32, args.max_tokens) for b in batches]
     workloads += [nanovllm_workload()] if args.nanovllm else []
     largest = max(len(w.prompts) for w in workloads)
-    doc: dict[str, Any] = evidence_header(device, args.model, loaded.model.dtype, step=STEP, repeats=args.repeats,
-                                          workloads=[w.name for w in workloads],
-                                          loaded_weight_bytes=weight_bytes(loaded.model),
+    config = Fp8WeightsEngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=largest)
+    device = config.resolved_device()
+    doc: dict[str, Any] = evidence_header(device, args.model, config.resolved_dtype(), step=STEP,
+                                          repeats=args.repeats, workloads=[w.name for w in workloads],
                                           copy_bandwidth_gbs=memory_bandwidth_gbs(device))
     output = args.output or default_output(STEP, "fp8", device.type, args.model)
     greedy = SamplingParams(max_tokens=min(args.max_tokens, 64), temperature=0, ignore_eos=True)
     tokens = {}
     for mode, quantization in MODES.items():
-        engine = make_engine(loaded, quantization, largest)
+        engine = make_engine(replace(config, quantization=quantization))
         doc.setdefault("memory_report", {})[mode] = engine.memory_report()
         doc.setdefault("weight_bytes", {})[mode] = weight_bytes(engine.model)
         doc.setdefault("step_read_bytes", {})[mode] = step_read_bytes(engine.model)
