@@ -128,7 +128,7 @@ def render_fp8_accuracy(path: str, doc: Doc) -> list[str]:
 
 def render_fp8_decode(path: str, doc: Doc) -> list[str]:
     """step17_fp8_weights/bench/bench_fp8.py: per workload, output tok/s with the weights as loaded and with FP8
-    projections, in one process over one loaded model, and FP8 as a ratio of as loaded."""
+    projections, in one process, and FP8 as a ratio of as loaded."""
     loaded, fp8 = doc["tok_per_s"]["as loaded"], doc["tok_per_s"]["fp8"]
     rows = [[name, f"{loaded[name]:,.1f}", f"{fp8[name]:,.1f}", f"{fp8[name] / loaded[name]:.2f}x"] for name in fp8]
     return markdown(["workload", f"{doc['dtype'].removeprefix('torch.')} tok/s", "fp8 tok/s", "fp8 vs "
