@@ -114,7 +114,8 @@ def generate_and_check(args: argparse.Namespace, config: object, texts: list[str
     alone = one.generate(prompts, params)
     same = sum(a.token_ids == b.token_ids for a, b in zip(completions, alone, strict=True))
     print(f"  the same as one process: {same}/{len(prompts)}")
-    parity = check_model_against_reference(whole, eos, prompts, completions, max_tokens)
+    # HF on the weights one process runs: the loaded ones, or what its engine made of them (step 17's FP8).
+    parity = check_model_against_reference(one.loaded, eos, prompts, completions, max_tokens)
     for i, report in enumerate(parity):
         print(f"  prompt {i:2d}: {len(completions[i].token_ids):3d} tokens, {report.describe()}")
     ok = all(r.ok for r in parity)

@@ -113,10 +113,6 @@ def check_splits(step: Step, config: EngineConfig, backend: str) -> None:
     if on_a_gpu and engine_class.skips_all_reduces(config):
         raise TensorParallelConfigError("step 13's fused kernels read the projections around the model's layers "
                                         "and would skip their all-reduces: not split yet; add --no-fused-ops")
-    if getattr(config, "quantization", None):  # step 17's
-        raise TensorParallelConfigError(
-            f"--quantization {config.quantization}: FP8 projections are not split over ranks yet (they would replace "
-            "the row-split layers and skip their all-reduces); drop --quantization or --tensor-parallel-size")
 
 
 def sharded_engine_class(engine_class: type[Engine], control: dist.ProcessGroup) -> type[Engine]:

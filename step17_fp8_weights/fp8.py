@@ -17,10 +17,12 @@ import copy
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from common.model import CausalLM
+from step04_multi_gpu.sharding import RowParallelLinear
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448.0
@@ -78,6 +80,31 @@ class Fp8Linear(nn.Module):
         return fp8_linear(x, self.values, self.scale, self.bias)
 
 
+class Fp8RowParallelLinear(Fp8Linear):
+    """Step 04's projection split by its input features, in FP8: this rank's slice of x times its slice of the
+    weight is a partial sum of the output, and the all-reduce adds every rank's. Each rank quantizes the whole
+    weight, as one process would, and keeps its own columns: a row's scale is set by the row's every weight, so the
+    ranks' values are slices of one process's, and the scaled partial sums add up to its output."""
+
+    def __init__(self, linear: RowParallelLinear, per_row: bool = True) -> None:
+        world, rank = dist.get_world_size(linear.group), dist.get_rank(linear.group)
+        own = linear.weight.detach()
+        columns = own.shape[1]
+        # The whole weight on every rank: each rank's slice in its place, zeros elsewhere, summed (exact).
+        whole = own.new_zeros(own.shape[0], columns * world)
+        whole[:, rank * columns : (rank + 1) * columns] = own
+        dist.all_reduce(whole, group=linear.group)
+        quantized = quantize(whole, per_row)
+        values = quantized.values[:, rank * columns : (rank + 1) * columns].contiguous()
+        super().__init__(Fp8Weight(values, quantized.scale), None, own.dtype)
+        self.group = linear.group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
 def fp8_linear(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] times the FP8 weight. On a GPU, by rows: our kernel up to its `MAX_ROWS`, and past that cuBLAS's
     FP8 multiply with each row of x quantized as a weight's row is (where it takes the operands). Otherwise
@@ -112,8 +139,11 @@ def quantize_projections(model: CausalLM, per_row: bool = True) -> int:
             parent_name, _, name = path.rpartition(".")
             parent = layer.get_submodule(parent_name)
             linear = getattr(parent, name)
-            bias = None if linear.bias is None else linear.bias.detach()
-            fp8 = Fp8Linear(quantize(linear.weight.detach(), per_row), bias, linear.weight.dtype)
+            if isinstance(linear, RowParallelLinear):  # step 04's ranks: o and down split by input features
+                fp8: Fp8Linear = Fp8RowParallelLinear(linear, per_row)
+            else:
+                bias = None if linear.bias is None else linear.bias.detach()
+                fp8 = Fp8Linear(quantize(linear.weight.detach(), per_row), bias, linear.weight.dtype)
             saved += linear.weight.nbytes - fp8.values.nbytes - fp8.scale.nbytes
             setattr(parent, name, fp8)
     return saved
@@ -124,7 +154,8 @@ def fp8_twin(model: CausalLM, per_row: bool = True) -> CausalLM:
     head (nothing else is copied; `model` itself is left as it was, for the engines that share it). Once nothing
     holds `model`, its higher-precision projections are freed: the weights then take about half the memory."""
     assert model.rope is not None, "call prepare(device) first"
-    shared = [*model.parameters(), *model.buffers(), model.rope.cos, model.rope.sin]
+    shared = [*model.parameters(), *model.buffers(), model.rope.cos, model.rope.sin,
+              *(module.group for module in model.modules() if getattr(module, "group", None) is not None)]
     twin = copy.deepcopy(model, memo={id(item): item for item in shared})
     quantize_projections(twin, per_row)
     return twin

@@ -42,13 +42,6 @@ def test_a_step_that_cannot_be_split_is_refused_in_one_line_before_anything_runs
     assert err.count("\n") == 1
 
 
-def test_fp8_weights_are_refused_in_one_line_before_anything_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run.main(["--quantization", "fp8", "--tensor-parallel-size", "3", "--dry-run"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: --quantization fp8: FP8 projections are not split over ranks yet")
-    assert err.count("\n") == 1
-
-
 def test_output_json_has_every_run_pys_rows(tmp_path: Path) -> None:
     """Two ranks of the final engine, batch-invariant, on a tiny model: the rows of common/cli.py's run, in prompt
     order, and the run's own check (one process and HF) passes."""

@@ -107,6 +107,28 @@ def test_split_over_ranks_gives_one_process_tokens(model: str, size: int) -> Non
     assert not any(w.is_alive() for w in workers), "a rank outlived close()"
 
 
+def test_fp8_weights_over_three_ranks_give_one_processs_fp8_tokens() -> None:
+    """Step 17's --quantization fp8 split over ranks: each rank quantizes o and down as one process quantizes the
+    whole weight, then keeps its columns, so the ranks give the one-process FP8 engine's tokens. Here those differ
+    from the unquantized model's: FP8 is what runs."""
+    tiny = load_model("tiny-qwen2")
+    prompts = [tiny.tokenizer.apply_chat_template(p) for p in PARITY_PROMPTS[:6]]
+    params = SamplingParams(max_tokens=16)
+    final = find_step(FINAL).engine_class()
+
+    def alone(quantization: str | None) -> list[list[int]]:
+        config = final.config_class(device="cpu", block_size=4, num_blocks=256, quantization=quantization)
+        return [c.token_ids for c in final(tiny, config).generate(prompts, params)]
+
+    expected = alone("fp8")
+    assert expected != alone(None)
+    with split_engine("tiny-qwen2", 3, quantization="fp8") as engine:
+        got = [c.token_ids for c in staggered_generate(engine, prompts, params, arrive_every=2)]
+        reports = engine.rank_reports()
+    assert got == expected
+    assert_ranks_agree_and_hold_nothing(reports, 3)
+
+
 def test_prefix_hits_preemption_and_abort_over_two_ranks() -> None:
     """A pool so small that requests are preempted, prompts that share their start (step 10's cache hits), and
     one request aborted mid-decode: the others keep step 01's tokens, every rank frees everything."""
