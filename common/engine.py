@@ -98,6 +98,12 @@ class Engine(ABC):
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         loaded = load_model(config.model, config.resolved_device(), config.resolved_dtype(), config.seed)
+        return cls.on_own_model(loaded, config)
+
+    @classmethod
+    def on_own_model(cls, loaded: LoadedModel, config: EngineConfig) -> Engine:
+        """The engine on a model loaded for it alone (`from_config`'s, or one rank's shard in step 04), which it
+        may change in place as it starts; an engine given a model others share must leave that model as it is."""
         return cls(loaded, config)
 
     @classmethod

@@ -142,7 +142,7 @@ def build_rank_engine(launch: Launch, step_name: str, config: EngineConfig,
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the other ranks' slices, loaded to be cut away
     engine_class = sharded_engine_class(find_step(step_name).engine_class(), control)
-    return engine_class(loaded, dataclasses.replace(config, device=str(device))), control
+    return engine_class.on_own_model(loaded, dataclasses.replace(config, device=str(device))), control
 
 
 class RankLog:

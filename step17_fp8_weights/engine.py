@@ -6,10 +6,10 @@ model's projections become `Fp8Linear`, quantized as the engine starts from what
 embedding, the norms and the output head keep their dtype. Every path, eager or captured, reads the projections
 through `Fp8Linear`; on a GPU step 13's fused decode packs them as it packs bf16 ones (`fused_path.py`).
 
-Where the quantizing happens decides what the KV pool gets. A model loaded for this engine alone (`from_config`:
-the command line, the server) is quantized in place before the engine is built, so its higher-precision projections
-are freed before the pool is sized from the memory left. A model other engines share (a benchmark's, a test's) is
-left as it is, and the engine runs an FP8 twin of it (`fp8.fp8_twin`).
+Where the quantizing happens decides what the KV pool gets. A model loaded for this engine alone (`on_own_model`:
+the command line, the server, each of step 04's ranks) is quantized in place before the engine is built, so its
+higher-precision projections are freed before the pool is sized from the memory left. A model other engines share
+(a test's, the notebook's) is left as it is, and the engine runs an FP8 twin of it (`fp8.fp8_twin`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from common.engine import Engine
-from common.loading import LoadedModel, load_model
+from common.loading import LoadedModel
 from common.shared_model import release_memory
 from step16_structured_output.engine import StructuredOutputEngine, StructuredOutputEngineConfig
 from step17_fp8_weights.fp8 import fp8_twin, holds_fp8, projection_bytes, quantize_projections, weight_bytes
@@ -53,16 +53,14 @@ class Fp8WeightsEngine(StructuredOutputEngine):
                              "weights, not FP8 ones: drop --quantization or --batch-invariant")
 
     @classmethod
-    def from_config(cls, config: Fp8WeightsEngineConfig) -> Engine:
-        """Load the model and, for FP8, quantize its projections in place before the engine is built: nothing else
-        holds this model, so the projections it loaded with are freed first, and the KV pool, sized from the memory
-        left, gets the bytes FP8 saves. (A twin would leave them held by the caller while the pool is sized.)"""
-        cls.check_quantization(config)  # before the model loads
-        if config.quantization != "fp8":
-            return super().from_config(config)
-        loaded = load_model(config.model, config.resolved_device(), config.resolved_dtype(), config.seed)
-        quantize_projections(loaded.model)
-        release_memory(loaded.model.device)
+    def on_own_model(cls, loaded: LoadedModel, config: Fp8WeightsEngineConfig) -> Engine:
+        """For FP8, quantize the projections in place before the engine is built: nothing else holds this model, so
+        the projections it loaded with are freed first, and the KV pool, sized from the memory left, gets the bytes
+        FP8 saves. (A twin would leave them held while the pool is sized.)"""
+        cls.check_quantization(config)
+        if config.quantization == "fp8":
+            quantize_projections(loaded.model)
+            release_memory(loaded.model.device)
         return cls(loaded, config)
 
     @property

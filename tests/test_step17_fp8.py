@@ -137,7 +137,7 @@ def test_a_model_loaded_for_fp8_frees_its_projections_before_the_kv_pool_is_size
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The KV pool is sized from the memory left once the engine holds its weights: the projections the model was
     loaded with must be gone by then, or the pool loses what FP8 saved."""
-    from step17_fp8_weights import engine as step17_engine
+    from common import engine as common_engine
 
     loaded_projections: list[weakref.ref] = []
 
@@ -154,7 +154,7 @@ def test_a_model_loaded_for_fp8_frees_its_projections_before_the_kv_pool_is_size
         alive_when_sized.append(sum(ref() is not None for ref in loaded_projections))
         return 16
 
-    monkeypatch.setattr(step17_engine, "load_model", spied_load)
+    monkeypatch.setattr(common_engine, "load_model", spied_load)
     monkeypatch.setattr(Fp8WeightsEngine, "blocks_in_budget", spied_budget)
     engine = Fp8WeightsEngine.from_config(Fp8WeightsEngineConfig(model="tiny-qwen2", device="cpu",
                                                                  quantization="fp8"))
