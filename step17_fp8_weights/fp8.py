@@ -83,8 +83,8 @@ class Fp8Linear(nn.Module):
 class Fp8RowParallelLinear(Fp8Linear):
     """Step 04's projection split by its input features, in FP8: this rank's slice of x times its slice of the
     weight is a partial sum of the output, and the all-reduce adds every rank's. Each rank quantizes the whole
-    weight, as one process would, and keeps its own columns: a row's scale is set by the row's every weight, so the
-    ranks' values are slices of one process's, and the scaled partial sums add up to its output."""
+    weight, as one process would, and keeps its own columns: each row's scale is set by all of the row's weights,
+    so the ranks' values are slices of one process's, and the scaled partial sums add up to its output."""
 
     def __init__(self, linear: RowParallelLinear, per_row: bool = True) -> None:
         world, rank = dist.get_world_size(linear.group), dist.get_rank(linear.group)

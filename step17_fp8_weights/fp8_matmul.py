@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from step13_fused_decode.dependent_launch import wait_for_previous_kernel
-# MAX_ROWS: the most rows our kernel takes, step 13's tile (a decode step's batch). Past it a step multiplies as
-# much as it reads, and the multiply goes to cuBLAS's FP8 tiles (`scaled_mm_rowwise`).
+# MAX_ROWS: the most rows our kernel takes, step 13's tile (a decode step's batch). Past it the multiply goes to
+# cuBLAS's FP8 tiles (`scaled_mm_rowwise`), each row of x quantized first.
 from step13_fused_decode.skinny_matmul import (MAX_ROWS, SkinnyConfig, band_product, device_limits, finish_band,
                                                launch, row_inverse_rms)
 
